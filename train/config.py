@@ -1,0 +1,301 @@
+"""Training configuration: a dataclass per method, YAML over its defaults, the command line on top.
+
+Every training script declares one dataclass whose fields are its keys, each with one default and
+a help text::
+
+    @dataclass
+    class EagleConfig:
+        target: str = field(default="smollm2-135m", metadata={"help": "target name or directory"})
+        lr: float = field(default=3e-4, metadata={"help": "peak learning rate"})
+        layers: list[int] = field(default_factory=lambda: [2, 15, 28])
+
+    cfg = parse_config(EagleConfig)  # reads sys.argv[1:]
+
+and is launched as ``python train/eagle.py --config configs/eagle/smollm2.yaml --lr 1e-4``.
+Precedence: dataclass default < YAML file < command line. Keys may be written ``--max_length`` or
+``--max-length``, with the value after a space or an ``=``. An unknown key is an error that
+names it and suggests the closest valid key; a value of the wrong type is an error that names the
+key, the expected type and the value received. ``--help`` lists every key.
+
+Supported field types: ``int``, ``float``, ``bool``, ``str``, ``Literal[...]``, ``list[int]``,
+``list[float]``, ``list[str]`` and ``Optional[...]`` of any of these. On the command line a list is
+comma-separated (``--layers 2,15,28``; an empty value is an empty list), a bool is one of
+true/false/yes/no/1/0 (a bare ``--flag`` means true) and ``none``/``null`` sets an Optional to None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union
+
+import yaml
+
+C = TypeVar("C")
+
+_TRUE = ("true", "yes", "1", "on")
+_FALSE = ("false", "no", "0", "off")
+_NONE = ("none", "null", "~")
+
+
+def parse_config(cls: type[C], argv: Sequence[str] | None = None) -> C:
+    """Build ``cls`` from its defaults, then ``--config FILE.yaml``, then ``--key value`` overrides.
+
+    ``argv`` defaults to ``sys.argv[1:]``. ``--help``/``-h`` prints every key and exits.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print(config_help(cls))
+        raise SystemExit(0)
+    config_file, overrides = _split_command_line(cls, argv)
+    values: dict[str, Any] = {}
+    if config_file is not None:
+        values.update(_checked(cls, _read_yaml(config_file), source=config_file))
+    values.update(_checked(cls, overrides, source="the command line"))
+    return _instantiate(cls, values)
+
+
+def config_from_dict(cls: type[C], values: Mapping[str, Any], source: str = "a dict") -> C:
+    """``cls(**values)`` after checking every key and coercing/validating every value.
+
+    ``source`` says where the values came from, for error messages (a file name, say).
+    """
+    return _instantiate(cls, _checked(cls, values, source))
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as a plain dict of its fields (lists copied), in declaration order."""
+    if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
+        raise ValueError(f"expected a config dataclass instance, got {type(cfg).__name__}")
+    return {f.name: _plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+
+
+def save_config(cfg: Any, path: str | os.PathLike) -> Path:
+    """Write the config as YAML (readable back with ``--config``), atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    os.replace(tmp, path)
+    return path
+
+
+def config_diff(a: Any, b: Any, ignore: Sequence[str] = ()) -> list[str]:
+    """Keys whose values differ between two configs (dataclasses or dicts, e.g. a saved YAML).
+
+    A key present in only one of them counts as different. Used on resume: a run must continue
+    with the config it started with, except for keys in ``ignore`` (say ``max_steps``).
+    """
+    da = a if isinstance(a, Mapping) else config_to_dict(a)
+    db = b if isinstance(b, Mapping) else config_to_dict(b)
+    keys = list(da) + [k for k in db if k not in da]
+    missing = object()
+    return [
+        k for k in keys
+        if k not in ignore and _plain(da.get(k, missing)) != _plain(db.get(k, missing))
+    ]
+
+
+def config_help(cls: type) -> str:
+    """Every key with its type, default and help text, for ``--help``."""
+    lines = [f"{cls.__name__} options (YAML keys or --key value; command line wins over YAML):"]
+    if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("):
+        lines.insert(0, cls.__doc__.strip() + "\n")
+    lines.append("  --config FILE.yaml    YAML file with any of the keys below")
+    for name, f in _dataclass_fields(cls).items():
+        kind = _type_name(_fields(cls)[name])
+        if f.default is not dataclasses.MISSING:
+            default = f"default: {f.default!r}"
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f"default: {f.default_factory()!r}"
+        else:
+            default = "required"
+        lines.append(f"  --{name} {kind}  ({default})")
+        if f.metadata.get("help"):
+            lines.append(f"      {f.metadata['help']}")
+    return "\n".join(lines)
+
+
+def _split_command_line(cls: type, argv: list[str]) -> tuple[str | None, dict[str, str | bool]]:
+    """``--config`` and the ``--key value`` / ``--key=value`` pairs, values still strings."""
+    fields = _fields(cls)
+    config_file = None
+    overrides: dict[str, str | bool] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ValueError(f"unexpected command-line argument {arg!r}: give options as "
+                             f"--key value or --key=value (see --help)")
+        name, has_value, value = arg[2:].partition("=")
+        key = name.replace("-", "_")
+        if not has_value:
+            next_is_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            if next_is_value:
+                value = argv[i + 1]
+                i += 1
+            elif key in fields and _strip_optional(fields[key]) is bool:
+                value = True  # a bare --flag switches a bool on
+            else:
+                raise ValueError(f"--{name} needs a value (--{name} VALUE or --{name}=VALUE)")
+        i += 1
+        if key == "config":
+            if config_file is not None:
+                raise ValueError(f"--config given twice ({config_file!r} and {value!r}); give one "
+                                 f"YAML file and put further overrides on the command line")
+            config_file = str(value)
+        elif key not in fields:
+            raise ValueError(_unknown_key_message(cls, key, "the command line"))
+        else:
+            overrides[key] = value
+    return config_file, overrides
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as err:
+        raise ValueError(f"config file {path} is not valid YAML: {err}") from err
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping of key: value, "
+                         f"got a {type(data).__name__}")
+    return data
+
+
+def _checked(cls: type, values: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """Every key known and every value of its field's type, or a ValueError naming the key.
+
+    Strings are parsed as on the command line, so a YAML ``lr: 1e-4`` (which PyYAML reads as
+    the string "1e-4") is still a float; other values must already have the field's type.
+    """
+    fields = _fields(cls)
+    checked = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise ValueError(_unknown_key_message(cls, str(key), source))
+        checked[key] = _coerce(key, value, fields[key], source)
+    return checked
+
+
+def _instantiate(cls: type[C], values: dict[str, Any]) -> C:
+    missing = [
+        name for name, f in _dataclass_fields(cls).items()
+        if name not in values
+        and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ValueError(f"missing required config key(s) {missing} for {cls.__name__}; "
+                         f"set them in the YAML file or as --key value")
+    return cls(**values)
+
+
+def _unknown_key_message(cls: type, key: str, source: str) -> str:
+    valid = list(_fields(cls))
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return (f"unknown config key {key!r} in {source}; {hint}"
+            f"valid keys for {cls.__name__}: {', '.join(valid)}")
+
+
+def _coerce(key: str, value: Any, hint: Any, source: str) -> Any:
+    """``value`` converted to the field type ``hint``, or a ValueError naming key and type."""
+
+    def wrong(detail: str = "") -> ValueError:
+        return ValueError(f"config key {key!r} (from {source}) expects {_type_name(hint)}, "
+                          f"got {value!r} ({type(value).__name__}){detail}")
+
+    inner = _strip_optional(hint)
+    if inner is not hint and (value is None or (isinstance(value, str) and value.lower() in _NONE)):
+        return None
+    origin = typing.get_origin(inner)
+    if origin is Literal:
+        choices = typing.get_args(inner)
+        for choice in choices:
+            if value == choice or (isinstance(value, str) and value == str(choice)):
+                return choice
+        raise wrong(f"; choose one of {list(choices)}")
+    if origin is list:
+        (element,) = typing.get_args(inner) or (str,)
+        if isinstance(value, str):
+            items: list[Any] = [v.strip() for v in value.split(",")] if value.strip() else []
+        elif isinstance(value, (list, tuple)):
+            items = list(value)
+        else:
+            raise wrong()
+        return [_coerce(f"{key}[{i}]", item, element, source) for i, item in enumerate(items)]
+    if inner is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+            return value.lower() in _TRUE
+        raise wrong("; use true/false, yes/no, 1/0 or on/off")
+    if inner is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                raise wrong() from None
+        raise wrong()
+    if inner is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise wrong() from None
+        raise wrong()
+    if inner is str:
+        if isinstance(value, str):
+            return value
+        raise wrong("; quote it in YAML if you mean a string")
+    raise TypeError(f"config field {key!r} has type {hint!r}, which train.config does not support")
+
+
+def _strip_optional(hint: Any) -> Any:
+    """``X`` for ``Optional[X]`` / ``X | None``; ``hint`` itself otherwise."""
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return hint
+
+
+def _type_name(hint: Any) -> str:
+    inner = _strip_optional(hint)
+    suffix = " or none" if inner is not hint else ""
+    origin = typing.get_origin(inner)
+    if origin is Literal:
+        return "{" + ",".join(str(c) for c in typing.get_args(inner)) + "}" + suffix
+    if origin is list:
+        (element,) = typing.get_args(inner) or (str,)
+        return f"list of {_type_name(element)} (comma-separated)" + suffix
+    return getattr(inner, "__name__", str(inner)) + suffix
+
+
+def _dataclass_fields(cls: type) -> dict[str, dataclasses.Field]:
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a dataclass")
+    return {f.name: f for f in dataclasses.fields(cls) if f.init}
+
+
+def _fields(cls: type) -> dict[str, Any]:
+    """Field name -> resolved type hint (works with ``from __future__ import annotations``)."""
+    hints = typing.get_type_hints(cls)
+    return {name: hints[name] for name in _dataclass_fields(cls)}
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, (list, tuple)) else value
