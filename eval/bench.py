@@ -22,6 +22,7 @@ import platform
 import sys
 import time
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from pathlib import Path
 
 import torch
@@ -200,7 +201,8 @@ def summarise(stats: MethodStats, reference: MethodStats | None, greedy: bool) -
         tried = sum(stats.tried_at)
         record["alpha"] = round(sum(stats.accepted_at) / tried, 4) if tried else None
         record["alpha_per_depth"] = [
-            round(a / t, 4) if t else None for a, t in zip(stats.accepted_at, stats.tried_at)
+            round(a / t, 4) if t else None
+            for a, t in zip_longest(stats.accepted_at, stats.tried_at, fillvalue=0)
         ]
     if reference is not None and reference.seconds and tokens_per_s:
         record["speedup"] = round(tokens_per_s / (reference.new_tokens / reference.seconds), 4)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from itertools import zip_longest
 
 import torch
 
@@ -201,3 +202,29 @@ class SpeculativeEngine:
             )
         accepted = int(acc)
         return list(range(1, accepted + 1)), int(nxt), list(range(1, min(accepted + 1, k) + 1))
+
+
+def measure_acceptance(target: Target, proposer: Proposer, prompts: list[list[int]],
+                       max_new_tokens: int = 64, params: SamplingParams | None = None,
+                       seed: int = 0) -> dict:
+    """tau, alpha and alpha per depth of ``proposer`` over ``prompts`` (training-time evaluation)."""
+    engine = SpeculativeEngine(target)
+    total = Generation(tokens=[], prompt_len=0)
+    decode = 0
+    for i, ids in enumerate(prompts):
+        budget = min(max_new_tokens, target.max_context - len(ids))
+        if budget <= 0:
+            continue
+        g = engine.generate(ids, budget, params, proposer, seed=seed + i)
+        decode += g.decode_tokens
+        total.target_passes += g.target_passes
+        for depth, (a, t) in enumerate(zip_longest(g.accepted_at, g.tried_at, fillvalue=0), start=1):
+            total.count([depth] * a, [depth] * t)
+    tried = total.tried_at
+    return {
+        "tau": decode / total.target_passes if total.target_passes else None,
+        "alpha": total.alpha,
+        "alpha_per_depth": [
+            a / t if t else None for a, t in zip_longest(total.accepted_at, tried, fillvalue=0)
+        ],
+    }

@@ -1,0 +1,74 @@
+"""The artifact layout every trainer writes and every loader reads.
+
+    <dir>/config.json        {"method": ..., "target": {identity}, "format_version": 1, ...shapes}
+    <dir>/model.safetensors  the trained draft's weights (nothing of the target)
+
+Written to a temporary directory and renamed, so a crash never leaves half an artifact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT_VERSION = 1
+METHODS = ("eagle1", "eagle3", "medusa", "draft")
+
+
+def save_artifact(directory: str | os.PathLike, method: str, config: dict,
+                  state_dict: dict[str, torch.Tensor], target_identity: dict,
+                  extra_files: dict[str, str] | None = None) -> Path:
+    """Write config.json + model.safetensors (+ small text files) atomically into ``directory``."""
+    if method not in METHODS:
+        raise ValueError(f"unknown artifact method {method!r}; expected one of {METHODS}")
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=directory.name + ".tmp-", dir=directory.parent))
+    try:
+        tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+        save_file(tensors, str(tmp / "model.safetensors"))
+        meta = {"method": method, "format_version": FORMAT_VERSION, "target": target_identity,
+                **config}
+        (tmp / "config.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def read_artifact_config(directory: str | os.PathLike, method: str | tuple[str, ...] | None = None) -> dict:
+    directory = Path(directory)
+    path = directory / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} is not a draftsmith artifact (no config.json)")
+    config = json.loads(path.read_text())
+    wanted = (method,) if isinstance(method, str) else method
+    if wanted and config.get("method") not in wanted:
+        raise ValueError(
+            f"{directory} holds a {config.get('method')!r} artifact, expected {' or '.join(wanted)}"
+        )
+    if config.get("format_version", 0) > FORMAT_VERSION:
+        raise ValueError(f"{directory} was written by a newer draftsmith (format "
+                         f"{config['format_version']} > {FORMAT_VERSION}); upgrade draftsmith")
+    return config
+
+
+def load_artifact(directory: str | os.PathLike, method: str | tuple[str, ...] | None = None,
+                  device: str | torch.device = "cpu") -> tuple[dict, dict[str, torch.Tensor]]:
+    """-> (config, state_dict)."""
+    config = read_artifact_config(directory, method)
+    weights = Path(directory) / "model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"{directory} has config.json but no model.safetensors")
+    return config, load_file(str(weights), device=str(device))
