@@ -115,6 +115,9 @@ class SpeculativeEngine:
             else:
                 generator.seed()
         layers = tuple(proposer.hidden_layers)
+        # a proposer may bring its own, explicitly inexact, acceptance rule (Medusa's typical
+        # acceptance); such runs are flagged ``exact = False`` and never reported as exact
+        lossy = getattr(proposer, "lossy_verify", None)
         started = time.perf_counter()
 
         cache = new_cache(self.model)
@@ -138,7 +141,11 @@ class SpeculativeEngine:
             if tree is None or len(tree) == 0:
                 tree = DraftTree([], [])
             logits, hidden = self._verify_forward(seq[-1], tree, past, cache, layers)
-            path, nxt, tried = self._accept(tree, logits, params, generator)
+            if lossy is not None and len(tree):
+                outcome = lossy(tree, logits, params, generator)
+                path, nxt, tried = outcome.path, outcome.next_token, outcome.tried_depths
+            else:
+                path, nxt, tried = self._accept(tree, logits, params, generator)
             gen.target_passes += 1
             gen.proposed += len(tree)
             gen.count([tree.depths[c] for c in path], tried)

@@ -11,6 +11,8 @@ The interface is small so Medusa and EAGLE heads plug in beside the draft LM and
 * ``observe(seq, tree, path, hidden)``: after verification. ``seq`` now ends with the new root,
   ``path`` lists the accepted tree nodes, ``hidden`` the requested hidden states at the old root
   and the accepted nodes, each (1, 1 + len(path), hidden). Caches must be brought in line here.
+* ``exact`` (default True). A proposer that defines ``lossy_verify(tree, logits, params,
+  generator) -> TreeOutcome`` replaces the exact rule with its own and must set ``exact = False``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from eval.tree import DraftTree, build_trie
 class Proposer:
     name = "plain"
     hidden_layers: tuple[int, ...] = ()
+    exact = True
 
     def start(self, prompt_ids: list[int], hidden, params: SamplingParams, generator) -> None:
         self.params = params
