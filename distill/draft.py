@@ -1,22 +1,37 @@
 """Draft language models that share the target's tokenizer.
 
-* ``truncate:N``: the target's first N decoder layers with its embedding, final norm and LM head.
-  Shared (no copy) when the draft is only used for inference, copied when it is to be trained.
-* a Hugging Face model directory (an existing small model, or a distilled draft exported by
-  ``train/distill.py``), checked against the target's vocabulary and tokenizer.
+Three ways to get one:
+
+* ``truncate:N`` (:func:`truncate_model`): the target's first N decoder layers with its embedding,
+  final norm and LM head. Shared (no copy) when the draft is only used for inference, copied when
+  it is to be trained, so it starts as a sensible model.
+* :func:`fresh_draft`: a new, randomly initialised model of the target's class with fewer or
+  narrower layers, the target's vocabulary, and optionally its embedding and LM head.
+* a Hugging Face model directory (an existing small model, or a distilled draft written by
+  :func:`save_draft`), checked against the target's vocabulary and tokenizer by :func:`load_draft`.
+
+:func:`add_lora` / :func:`merge_lora` train a draft through low-rank adapters (peft) and fold them
+back into plain weights before :func:`save_draft` writes the directory.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from heads.artifact import FORMAT_VERSION
 from heads.target import Target, freeze
 
 TRUNCATE_PREFIX = "truncate:"
+# config.json key under which a saved draft records what it is and which target it was made for
+DRAFT_INFO_KEY = "draftsmith"
 
 
 def truncate_model(model: nn.Module, num_layers: int, share: bool = True) -> nn.Module:
@@ -28,7 +43,9 @@ def truncate_model(model: nn.Module, num_layers: int, share: bool = True) -> nn.
     decoder = model.get_decoder()
     total = len(decoder.layers)
     if not 1 <= num_layers <= total:
-        raise ValueError(f"truncate:N needs 1 <= N <= {total} (the target's layer count), got {num_layers}")
+        raise ValueError(
+            f"truncate:N needs 1 <= N <= {total} (the target's layer count), got {num_layers}"
+        )
     config = copy.deepcopy(model.config)
     config.num_hidden_layers = num_layers
     if isinstance(getattr(config, "layer_types", None), list):
@@ -42,7 +59,8 @@ def truncate_model(model: nn.Module, num_layers: int, share: bool = True) -> nn.
         else:
             setattr(draft_decoder, name, child)
     draft.set_output_embeddings(model.get_output_embeddings())
-    leftover = [n for n, t in list(draft.named_parameters()) + list(draft.named_buffers()) if t.is_meta]
+    leftover = [n for n, t in list(draft.named_parameters()) + list(draft.named_buffers())
+                if t.is_meta]
     if leftover:
         raise ValueError(
             f"cannot truncate {type(model).__name__}: parts outside the decoder ({leftover[:3]}) "
@@ -52,6 +70,9 @@ def truncate_model(model: nn.Module, num_layers: int, share: bool = True) -> nn.
         draft.generation_config = copy.deepcopy(model.generation_config)
     if not share:
         draft = copy.deepcopy(draft)
+    else:
+        # peft would inject adapters into the target's own layers: add_lora refuses such a draft
+        draft._draftsmith_shares_target = True
     return draft
 
 
@@ -77,7 +98,11 @@ def check_same_vocab(target: Target, draft_model: nn.Module, draft_tokenizer=Non
 
 
 def load_draft(spec: str, target: Target, trainable: bool = False) -> nn.Module:
-    """``truncate:N`` or a model directory -> a draft on the target's device and dtype."""
+    """``truncate:N`` or a model directory -> a draft on the target's device and dtype.
+
+    ``trainable=False``: frozen, eval mode, truncated layers shared with the target.
+    ``trainable=True``: an independent copy in train mode with every parameter trainable.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if spec.startswith(TRUNCATE_PREFIX):
@@ -91,9 +116,266 @@ def load_draft(spec: str, target: Target, trainable: bool = False) -> nn.Module:
             raise FileNotFoundError(
                 f"draft {spec!r} is neither truncate:N nor a model directory with config.json"
             )
-        draft = AutoModelForCausalLM.from_pretrained(str(path), dtype=target.dtype).to(target.device)
+        draft = AutoModelForCausalLM.from_pretrained(str(path), dtype=target.dtype)
+        draft = draft.to(target.device)
         tokenizer = None
         if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             tokenizer = AutoTokenizer.from_pretrained(str(path))
         check_same_vocab(target, draft, tokenizer, draft_name=str(path))
-    return draft if trainable else freeze(draft)
+    if not trainable:
+        return freeze(draft)
+    # a truncated copy inherits the frozen target's requires_grad=False; a draft to train needs
+    # every parameter trainable and dropout on
+    draft.train()
+    for p in draft.parameters():
+        p.requires_grad_(True)
+    return draft
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) a fresh small model of the target's architecture
+# ---------------------------------------------------------------------------------------------
+
+
+def _resized_heads(config, hidden_size: int, num_attention_heads: int | None,
+                   num_key_value_heads: int | None) -> tuple[int, int, int]:
+    """(heads, kv_heads, head_dim) for a draft of ``hidden_size``, defaulting to the target's.
+
+    Unchanged width keeps the target's heads and head_dim. A new width keeps the target's head_dim
+    (heads = hidden / head_dim) and its query-per-key-value grouping where that divides.
+    """
+    base_hidden = int(config.hidden_size)
+    base_heads = int(config.num_attention_heads)
+    base_kv = int(getattr(config, "num_key_value_heads", None) or base_heads)
+    base_head_dim = int(getattr(config, "head_dim", None) or base_hidden // base_heads)
+    if num_attention_heads is None:
+        if hidden_size == base_hidden:
+            num_attention_heads = base_heads
+        elif hidden_size % base_head_dim == 0:
+            num_attention_heads = hidden_size // base_head_dim
+        else:
+            raise ValueError(
+                f"hidden_size {hidden_size} is not a multiple of the target's head_dim "
+                f"{base_head_dim}; pass num_attention_heads explicitly"
+            )
+    if num_attention_heads < 1:
+        raise ValueError(f"num_attention_heads must be >= 1, got {num_attention_heads}")
+    if num_key_value_heads is None:
+        group = base_heads // base_kv
+        if num_attention_heads == base_heads:
+            num_key_value_heads = base_kv
+        elif num_attention_heads % group == 0:
+            num_key_value_heads = num_attention_heads // group
+        else:
+            num_key_value_heads = num_attention_heads
+    if num_key_value_heads < 1 or num_attention_heads % num_key_value_heads:
+        raise ValueError(
+            f"num_key_value_heads ({num_key_value_heads}) must divide num_attention_heads "
+            f"({num_attention_heads})"
+        )
+    if hidden_size == base_hidden and num_attention_heads == base_heads:
+        head_dim = base_head_dim
+    elif hidden_size % num_attention_heads == 0:
+        head_dim = hidden_size // num_attention_heads
+    else:
+        raise ValueError(
+            f"hidden_size {hidden_size} is not divisible by num_attention_heads "
+            f"{num_attention_heads}; choose sizes with hidden_size = heads * head_dim"
+        )
+    return num_attention_heads, num_key_value_heads, head_dim
+
+
+def fresh_draft(
+    target: Target | nn.Module,
+    num_layers: int,
+    hidden_size: int | None = None,
+    intermediate_size: int | None = None,
+    num_attention_heads: int | None = None,
+    num_key_value_heads: int | None = None,
+    seed: int = 0,
+    init_from_target: bool = True,
+    dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    """A new model of the target's class and config, resized, with the target's vocabulary.
+
+    Sizes left as None follow the target (a new ``hidden_size`` scales ``intermediate_size`` with
+    it and keeps the target's head_dim). Embeddings are tied exactly when the target's are. With
+    ``init_from_target`` and an unchanged hidden size, the embedding, final norm and LM head start
+    as copies of the target's (the decoder layers are random either way). Initialisation depends
+    only on ``seed``; the global RNG is left as it was. The draft is trainable, in ``dtype``
+    (float32 master weights by default), on the target's device.
+    """
+    model = target.model if isinstance(target, Target) else target
+    base = model.config
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+    hidden = int(base.hidden_size) if hidden_size is None else int(hidden_size)
+    if hidden < 1:
+        raise ValueError(f"hidden_size must be >= 1, got {hidden_size}")
+    heads, kv_heads, head_dim = _resized_heads(base, hidden, num_attention_heads,
+                                               num_key_value_heads)
+    config = copy.deepcopy(base)
+    config.num_hidden_layers = num_layers
+    config.hidden_size = hidden
+    config.num_attention_heads = heads
+    if hasattr(config, "num_key_value_heads"):
+        config.num_key_value_heads = kv_heads
+    if hasattr(config, "head_dim"):
+        config.head_dim = head_dim
+    if hasattr(config, "intermediate_size"):
+        if intermediate_size is None:
+            intermediate_size = round(int(base.intermediate_size) * hidden / int(base.hidden_size))
+        config.intermediate_size = int(intermediate_size)
+    elif intermediate_size is not None:
+        raise ValueError(f"{type(base).__name__} has no intermediate_size to set")
+    if isinstance(getattr(config, "layer_types", None), list) and config.layer_types:
+        # keep the target's pattern (e.g. sliding/full attention), repeated to the new depth
+        config.layer_types = [base.layer_types[i % len(base.layer_types)]
+                              for i in range(num_layers)]
+    # the exact row count of the target's LM head, which may be padded past the tokenizer
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    config.vocab_size = vocab
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        # built on the CPU so the weights depend on the seed alone, not on the device's RNG
+        draft = type(model)(config)
+    draft.to(device=next(model.parameters()).device, dtype=dtype)
+
+    if init_from_target and hidden == int(base.hidden_size):
+        with torch.no_grad():
+            pairs = [(draft.get_input_embeddings(), model.get_input_embeddings()),
+                     (draft.get_output_embeddings(), model.get_output_embeddings()),
+                     (getattr(draft.get_decoder(), "norm", None),
+                      getattr(model.get_decoder(), "norm", None))]
+            for mine, theirs in pairs:
+                if mine is None or theirs is None:
+                    continue
+                for name, param in mine.named_parameters(recurse=False):
+                    source = getattr(theirs, name, None)
+                    if source is not None and source.shape == param.shape:
+                        param.copy_(source)  # a copy: training the draft never moves the target
+    if getattr(model, "generation_config", None) is not None:
+        draft.generation_config = copy.deepcopy(model.generation_config)
+    draft.train()
+    for p in draft.parameters():
+        p.requires_grad_(True)
+    return draft
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA
+# ---------------------------------------------------------------------------------------------
+
+
+def add_lora(model: nn.Module, r: int = 16, alpha: float = 32.0, dropout: float = 0.0,
+             target_modules: str | list[str] = "all-linear") -> nn.Module:
+    """Wrap ``model`` in a peft LoRA model: base weights frozen, adapters trainable.
+
+    ``target_modules`` is peft's: "all-linear" (every linear layer but the LM head) or module
+    names such as ["q_proj", "v_proj"]. peft edits ``model`` in place, so a draft that shares
+    layers with the target (``truncate_model(share=True)``) is refused.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    if getattr(model, "_draftsmith_shares_target", False):
+        raise ValueError(
+            "this draft shares its layers with the target (truncate_model(share=True) or "
+            "load_draft(trainable=False)); adding LoRA would change the target. Build it with "
+            "share=False / load_draft(spec, target, trainable=True)"
+        )
+    if not isinstance(r, int) or r < 1:
+        raise ValueError(f"LoRA rank r must be a positive int, got {r!r}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
+                        target_modules=target_modules, task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold the adapters into the base weights (W + B @ A * alpha / r) -> the plain model."""
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        raise ValueError(f"merge_lora expects a model from add_lora (a peft PeftModel), got "
+                         f"{type(model).__name__}")
+    return model.merge_and_unload()
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) the saved directory
+# ---------------------------------------------------------------------------------------------
+
+
+def save_draft(model: nn.Module, tokenizer, out_dir: str | os.PathLike, target_identity: dict,
+               extra: dict | None = None) -> Path:
+    """Write a plain Hugging Face model directory for the draft, atomically.
+
+    ``out_dir`` gets config.json (the model's config plus a ``"draftsmith"`` block: method "draft",
+    format_version, the target identity and ``extra``, e.g. how the draft was built and trained),
+    model.safetensors, generation_config.json and the target's tokenizer files with its chat
+    template: loadable by ``AutoModelForCausalLM.from_pretrained``, usable as ``assistant_model``
+    and by ``load_draft(out_dir, target)``. Pass the unwrapped model (no peft, no DDP wrapper).
+    """
+    from peft import PeftModel
+
+    if isinstance(model, PeftModel):
+        raise ValueError("save_draft got a peft model with unmerged adapters; call "
+                         "merge_lora(model) first so the directory holds plain weights")
+    if not hasattr(model, "save_pretrained"):
+        raise ValueError(f"save_draft needs a Hugging Face model (with save_pretrained), got "
+                         f"{type(model).__name__}; pass accelerator.unwrap_model(model)")
+    if tokenizer is None:
+        raise ValueError("save_draft needs the target's tokenizer: a draft directory must carry it")
+    rows = int(model.get_output_embeddings().weight.shape[0])
+    recorded = target_identity.get("vocab_size")
+    if recorded is not None and int(recorded) != rows:
+        raise ValueError(
+            f"vocabulary mismatch: the draft has {rows} output tokens, target "
+            f"{target_identity.get('name')!r} has {recorded}; a draft must share the target's "
+            "vocabulary"
+        )
+    if len(tokenizer) > rows:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the draft only {rows} "
+                         "output rows; save the target's tokenizer with a draft of its vocabulary")
+    extra = dict(extra or {})
+    reserved = {"method", "format_version", "target"} & set(extra)
+    if reserved:
+        raise ValueError(f"extra may not set {sorted(reserved)}: save_draft writes those itself")
+    info = {"method": "draft", "format_version": FORMAT_VERSION, "target": dict(target_identity),
+            **extra}
+    try:
+        json.dumps(info)
+    except TypeError as err:
+        raise ValueError(f"extra must be JSON-serialisable (plain str/int/float/list/dict): {err}"
+                         ) from err
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    try:
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        if not (tmp / "generation_config.json").is_file() and getattr(
+                model, "generation_config", None) is not None:
+            model.generation_config.to_json_file(str(tmp / "generation_config.json"))
+        config_path = tmp / "config.json"
+        config = json.loads(config_path.read_text())
+        config[DRAFT_INFO_KEY] = info
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def read_draft_info(directory: str | os.PathLike) -> dict | None:
+    """The ``"draftsmith"`` block of a draft directory's config.json, or None for other models."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} is not a model directory (no config.json)")
+    return json.loads(path.read_text()).get(DRAFT_INFO_KEY)

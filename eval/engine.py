@@ -58,6 +58,26 @@ class Generation:
                 bucket[d - 1] += 1
 
 
+@dataclass
+class DecodeState:
+    """Everything a generation carries between rounds (see ``SpeculativeEngine.step``)."""
+
+    seq: list[int]  # prompt + emitted tokens; the target cache holds all but the last
+    cache: object
+    gen: Generation
+    params: SamplingParams
+    proposer: Proposer
+    generator: torch.Generator | None
+    layers: tuple[int, ...]
+    max_new_tokens: int
+    stop_at_eos: bool
+    started: float
+
+    @property
+    def done(self) -> bool:
+        return self.gen.stop_reason == "eos" or len(self.gen.tokens) >= self.max_new_tokens
+
+
 def check_prompt(prompt_ids, max_new_tokens: int, vocab_size: int, max_context: int) -> list[int]:
     """Validate a generation request; returns the prompt as a list of ints."""
     if isinstance(prompt_ids, torch.Tensor):
@@ -102,6 +122,23 @@ class SpeculativeEngine:
         seed: int | None = 0,
         stop_at_eos: bool = True,
     ) -> Generation:
+        state = self.begin(prompt_ids, max_new_tokens, params, proposer, seed, stop_at_eos)
+        while not state.done:
+            self.step(state)
+        state.gen.seconds = time.perf_counter() - state.started
+        return state.gen
+
+    @torch.no_grad()
+    def begin(
+        self,
+        prompt_ids,
+        max_new_tokens: int,
+        params: SamplingParams | None = None,
+        proposer: Proposer | None = None,
+        seed: int | None = 0,
+        stop_at_eos: bool = True,
+    ) -> DecodeState:
+        """Prefill the target on the prompt and emit the first token."""
         params = params or SamplingParams()
         proposer = proposer or Proposer()
         prompt = check_prompt(
@@ -115,57 +152,62 @@ class SpeculativeEngine:
             else:
                 generator.seed()
         layers = tuple(proposer.hidden_layers)
-        # a proposer may bring its own, explicitly inexact, acceptance rule (Medusa's typical
-        # acceptance); such runs are flagged ``exact = False`` and never reported as exact
-        lossy = getattr(proposer, "lossy_verify", None)
         started = time.perf_counter()
-
         cache = new_cache(self.model)
         out = self.model(
             input_ids=torch.tensor([prompt], device=self.device), cache=cache, use_cache=True,
             logits_to_keep=1, output_hidden_states=bool(layers),
         )
         first = self._pick(out.logits[0, -1], params, generator)
-        gen = Generation(tokens=[first], prompt_len=len(prompt))
-        seq = prompt + [first]
+        state = DecodeState(
+            seq=prompt + [first], cache=cache, gen=Generation(tokens=[first], prompt_len=len(prompt)),
+            params=params, proposer=proposer, generator=generator, layers=layers,
+            max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos, started=started,
+        )
         proposer.start(prompt, [out.hidden_states[i] for i in layers] if layers else None,
                        params, generator)
         if stop_at_eos and first in self.eos:
-            gen.stop_reason = "eos"
+            state.gen.stop_reason = "eos"
+        return state
 
-        while gen.stop_reason != "eos" and len(gen.tokens) < max_new_tokens:
-            remaining = max_new_tokens - len(gen.tokens)
-            past = len(seq) - 1
-            # a round always emits one target token after the accepted ones: depth <= remaining - 1
-            tree = proposer.propose(seq, remaining - 1) if remaining > 1 else None
-            if tree is None or len(tree) == 0:
-                tree = DraftTree([], [])
-            logits, hidden = self._verify_forward(seq[-1], tree, past, cache, layers)
-            if lossy is not None and len(tree):
-                outcome = lossy(tree, logits, params, generator)
-                path, nxt, tried = outcome.path, outcome.next_token, outcome.tried_depths
-            else:
-                path, nxt, tried = self._accept(tree, logits, params, generator)
-            gen.target_passes += 1
-            gen.proposed += len(tree)
-            gen.count([tree.depths[c] for c in path], tried)
-            keep_tree_path(cache, past, [0] + path)
+    @torch.no_grad()
+    def step(self, state: DecodeState) -> list[int]:
+        """One round: propose, verify in one target forward, accept, compact caches."""
+        gen, seq, proposer, params = state.gen, state.seq, state.proposer, state.params
+        remaining = state.max_new_tokens - len(gen.tokens)
+        past = len(seq) - 1
+        # a round always emits one target token after the accepted ones: depth <= remaining - 1
+        tree = proposer.propose(seq, remaining - 1) if remaining > 1 else None
+        if tree is None or len(tree) == 0:
+            tree = DraftTree([], [])
+        logits, hidden = self._verify_forward(seq[-1], tree, past, state.cache, state.layers)
+        # a proposer may bring its own, explicitly inexact, acceptance rule (Medusa's typical
+        # acceptance); such runs are flagged ``exact = False`` and never reported as exact
+        lossy = getattr(proposer, "lossy_verify", None)
+        if lossy is not None and len(tree):
+            outcome = lossy(tree, logits, params, state.generator)
+            path, nxt, tried = outcome.path, outcome.next_token, outcome.tried_depths
+        else:
+            path, nxt, tried = self._accept(tree, logits, params, state.generator)
+        gen.target_passes += 1
+        gen.proposed += len(tree)
+        gen.count([tree.depths[c] for c in path], tried)
+        keep_tree_path(state.cache, past, [0] + path)
 
-            new = [tree.tokens[c - 1] for c in path] + [nxt]
-            assert len(new) <= remaining, "a proposer exceeded its depth budget"
-            if stop_at_eos:
-                for i, tok in enumerate(new):
-                    if tok in self.eos:
-                        new = new[: i + 1]
-                        gen.stop_reason = "eos"
-                        break
-            gen.tokens.extend(new)
-            seq.extend(new)
-            if gen.stop_reason != "eos" and len(gen.tokens) < max_new_tokens:
-                rows = [0] + path
-                proposer.observe(seq, tree, path, [h[:, rows] for h in hidden] if layers else None)
-        gen.seconds = time.perf_counter() - started
-        return gen
+        new = [tree.tokens[c - 1] for c in path] + [nxt]
+        assert len(new) <= remaining, "a proposer exceeded its depth budget"
+        if state.stop_at_eos:
+            for i, tok in enumerate(new):
+                if tok in self.eos:
+                    new = new[: i + 1]
+                    gen.stop_reason = "eos"
+                    break
+        gen.tokens.extend(new)
+        seq.extend(new)
+        if not state.done:
+            rows = [0] + path
+            proposer.observe(seq, tree, path, [h[:, rows] for h in hidden] if hidden else None)
+        return new
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams, generator) -> int:
         if params.greedy:

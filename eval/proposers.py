@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from eval.kv import crop, new_cache
+from eval.kv import keep_tree_path, new_cache
 from eval.sampling import SamplingParams, warp
 from eval.tree import DraftTree, build_trie
 
@@ -88,29 +88,49 @@ class NgramProposer(Proposer):
 
 
 class DraftModelProposer(Proposer):
-    """A chain from a small causal LM sharing the target's vocabulary, with its own KV cache.
+    """A small causal LM sharing the target's vocabulary, drafting a chain or a static tree.
 
-    Drafts up to ``max_depth`` tokens, stopping early once the draft's probability of the token it
-    just proposed falls below ``min_confidence`` (later tokens would rarely survive verification).
-    At temperature > 0 tokens are sampled from the warped draft distribution, recorded for the
-    exact chain rule; at temperature 0 they are the draft's argmax.
+    Chain (``branching`` None): up to ``max_depth`` tokens, stopping early once the draft's
+    probability of the token it just proposed falls below ``min_confidence`` (later tokens would
+    rarely survive verification). Tree: ``branching[d]`` children under every node of depth d,
+    either the draft's top-k (``children="topk"``, verified with the deterministic-children rule)
+    or k i.i.d. samples from its warped distribution (``children="sample"``, SpecInfer's rule);
+    the draft expands one whole depth per forward with a tree attention mask over its own cache.
+    At temperature 0 tokens are the draft's argmax / top-k.
     """
 
     name = "draft"
 
-    def __init__(self, model, max_depth: int = 6, min_confidence: float = 0.0, name: str = "draft"):
+    def __init__(self, model, max_depth: int = 6, min_confidence: float = 0.0,
+                 branching: list[int] | None = None, children: str = "topk",
+                 name: str = "draft"):
         if max_depth < 1:
             raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+        if branching is not None and (not branching or min(branching) < 1):
+            raise ValueError(f"branching needs one count >= 1 per depth, got {branching}")
+        if children not in ("topk", "sample"):
+            raise ValueError(f"children must be 'topk' or 'sample', got {children!r}")
         self.model = model
-        self.max_depth = max_depth
+        self.max_depth = max_depth if branching is None else len(branching)
         self.min_confidence = min_confidence
+        self.branching = list(branching) if branching is not None else None
+        self.children = children
         self.name = name
         self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
 
     def start(self, prompt_ids, hidden, params, generator) -> None:
         super().start(prompt_ids, hidden, params, generator)
         self.cache = new_cache(self.model)
-        self.cached: list[int] = []  # tokens whose keys/values the draft cache holds
+        self.cached: list[int] = []  # tokens on the accepted sequence the draft cache holds
+        self.base = 0
+        self.fed: list[int] = []  # tree nodes whose entries follow the first ``base`` ones
+
+    def _forward(self, tokens: list[int], **kwargs) -> torch.Tensor:
+        return self.model(
+            input_ids=torch.tensor([tokens], device=self.device), cache=self.cache,
+            use_cache=True, **kwargs,
+        ).logits[0]  # (len(tokens) or kept, vocab)
 
     @torch.no_grad()
     def propose(self, seq: list[int], max_depth: int) -> DraftTree | None:
@@ -118,15 +138,18 @@ class DraftModelProposer(Proposer):
         if depth < 1:
             return None
         feed = seq[len(self.cached):]
-        self.base = len(seq)  # after this call the cache holds all of seq
+        logits = self._forward(feed, logits_to_keep=1)[-1]  # (vocab,) at the root
+        self.cached.extend(feed)
+        self.base = len(seq)  # the draft cache now holds all of seq
+        self.fed = []
+        if self.branching is None:
+            return self._chain(logits, depth)
+        return self._tree(logits, depth)
+
+    def _chain(self, logits: torch.Tensor, depth: int) -> DraftTree:
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
-        for _ in range(depth):
-            logits = self.model(
-                input_ids=torch.tensor([feed], device=self.device), cache=self.cache,
-                use_cache=True, logits_to_keep=1,
-            ).logits[0, -1]  # (vocab,)
-            self.cached.extend(feed)
+        for d in range(depth):
             if self.params.greedy:
                 tok = int(logits.argmax())
                 confidence = (
@@ -138,17 +161,60 @@ class DraftModelProposer(Proposer):
                 probs.append(q)
                 confidence = float(q[tok])
             tokens.append(tok)
-            feed = [tok]
-            if confidence < self.min_confidence:
+            if d == depth - 1 or confidence < self.min_confidence:
                 break
+            logits = self._forward([tok], logits_to_keep=1)[-1]
+            self.fed.append(len(tokens))
         return DraftTree.chain(tokens, probs or None)
 
+    def _tree(self, root_logits: torch.Tensor, depth: int) -> DraftTree:
+        tokens: list[int] = []
+        parents: list[int] = []
+        draft_probs: dict[int, torch.Tensor] = {}
+        ancestors: dict[int, list[int]] = {0: []}  # node -> its tree ancestors (root excluded)
+        frontier = [(0, root_logits)]
+        sample = self.children == "sample" and not self.params.greedy
+        for d in range(depth):
+            k = self.branching[d]
+            grown: list[int] = []
+            for node, logits in frontier:
+                if sample:
+                    q = warp(logits, self.params)
+                    kids = torch.multinomial(q, k, replacement=True, generator=self.generator)
+                    draft_probs[node] = q
+                else:
+                    kids = torch.topk(logits, min(k, logits.shape[-1])).indices
+                for tok in kids.tolist():
+                    tokens.append(tok)
+                    parents.append(node)
+                    grown.append(len(tokens))
+                    ancestors[len(tokens)] = ancestors[node] + [len(tokens)]
+            if d == depth - 1:
+                break
+            # one draft forward over the whole new depth: each node sees the accepted sequence
+            # and its own tree ancestors (already in the draft cache) plus itself
+            fed_at = {n: i for i, n in enumerate(self.fed + grown)}
+            width = self.base + len(fed_at)
+            mask = torch.full((1, 1, len(grown), width), torch.finfo(self.dtype).min, dtype=self.dtype)
+            mask[..., : self.base] = 0
+            for row, n in enumerate(grown):
+                for a in ancestors[n]:
+                    mask[0, 0, row, self.base + fed_at[a]] = 0
+            positions = torch.full((1, len(grown)), self.base + d, device=self.device)
+            out = self._forward([tokens[n - 1] for n in grown], attention_mask=mask.to(self.device),
+                                position_ids=positions)
+            self.fed.extend(grown)
+            frontier = list(zip(grown, out))
+        return DraftTree(tokens, parents, draft_probs)
+
     def observe(self, seq, tree, path, hidden) -> None:
-        # keep only the cached tokens that are still part of the sequence
-        keep = min(getattr(self, "base", 0), len(self.cached))
-        limit = min(len(self.cached), len(seq))
-        while keep < limit and self.cached[keep] == seq[keep]:
-            keep += 1
-        if keep < len(self.cached):
-            crop(self.cache, keep)
-            del self.cached[keep:]
+        # the cache holds seq[:base] then the fed tree nodes; keep the accepted ones, in order
+        fed_at = {n: i for i, n in enumerate(self.fed)}
+        keep = []
+        for node in path:
+            if node not in fed_at:
+                break
+            keep.append(fed_at[node])
+        keep_tree_path(self.cache, self.base, keep)
+        self.cached = self.cached[: self.base] + [tree.tokens[n - 1] for n in path[: len(keep)]]
+        self.fed = []

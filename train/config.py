@@ -21,6 +21,17 @@ Supported field types: ``int``, ``float``, ``bool``, ``str``, ``Literal[...]``, 
 ``list[float]``, ``list[str]`` and ``Optional[...]`` of any of these. On the command line a list is
 comma-separated (``--layers 2,15,28``; an empty value is an empty list), a bool is one of
 true/false/yes/no/1/0 (a bare ``--flag`` means true) and ``none``/``null`` sets an Optional to None.
+
+Every trainer's dataclass subclasses :class:`TrainConfig`, which holds the keys they all share
+(target, data, optimisation, checkpoints, tracking, evaluation); dataclass inheritance keeps one
+default per key. Declare keys with :func:`option`, which also marks the keys that may change when a
+run is resumed (``may_change_on_resume=True``, e.g. how often to log); every other key is
+training-relevant and a resumed run refuses a checkpoint that used another value::
+
+    @dataclass
+    class EagleConfig(TrainConfig):
+        layers: list[int] = option([2, 15, 28], "target hidden states the head reads")
+        tree_nodes: int = option(60, "draft tree size at evaluation", may_change_on_resume=True)
 """
 
 from __future__ import annotations
@@ -299,3 +310,124 @@ def _fields(cls: type) -> dict[str, Any]:
 
 def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, (list, tuple)) else value
+
+
+# ------------------------------------------------------------------------------------------------
+# The keys every trainer shares
+
+_MAY_CHANGE = "may_change_on_resume"
+
+
+def option(default: Any, help: str, *, may_change_on_resume: bool = False) -> Any:
+    """A config key: its one default, its help text, and whether a resumed run may change it.
+
+    A list default is copied for every instance (``default_factory``).
+    """
+    metadata = {"help": help, _MAY_CHANGE: may_change_on_resume}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def may_change_on_resume(cfg_or_cls: Any) -> list[str]:
+    """Keys a resumed run may set differently from its checkpoint (the rest must match)."""
+    cls = cfg_or_cls if isinstance(cfg_or_cls, type) else type(cfg_or_cls)
+    return [name for name, f in _dataclass_fields(cls).items() if f.metadata.get(_MAY_CHANGE)]
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Keys shared by every draftsmith trainer (each script's config subclasses this)."""
+
+    target: str = option("smollm2-135m", "target: embedded name, Hugging Face directory or .gguf")
+    data: list[str] = option([], "training data: JSON/JSONL files or Hub dataset ids")
+    max_length: int = option(2048, "longest training sequence in tokens (longer ones are cut)")
+    output_dir: str = option(
+        "runs/train", "run directory: checkpoints/, artifact/, metrics.jsonl, config.yaml, wandb/",
+        may_change_on_resume=True)
+    seed: int = option(0, "seed for initialisation, data order, dropout and noise")
+    shuffle: bool = option(True, "shuffle the data every epoch (seeded by seed and epoch)")
+
+    learning_rate: float = option(3e-4, "peak learning rate (AdamW)")
+    weight_decay: float = option(0.0, "AdamW weight decay on matrices (not biases or norms)")
+    adam_beta1: float = option(0.9, "AdamW beta1")
+    adam_beta2: float = option(0.95, "AdamW beta2")
+    warmup_steps: int = option(50, "optimizer steps of linear warmup from 0 to learning_rate")
+    lr_schedule: Literal["constant", "linear", "cosine"] = option(
+        "cosine", "learning rate after warmup: constant, or a decay to min_lr_ratio at the end")
+    min_lr_ratio: float = option(0.1, "final learning rate as a fraction of learning_rate")
+    max_steps: int | None = option(
+        1000, "optimizer steps to train (none: until num_epochs); the LR schedule spans them",
+        may_change_on_resume=True)
+    num_epochs: int | None = option(
+        None, "passes over the data (none: until max_steps); the first limit reached ends training",
+        may_change_on_resume=True)
+    per_device_batch_size: int = option(
+        8, "sequences per process per micro-batch (a resume may change it if the global batch, "
+        "per_device_batch_size x processes x gradient_accumulation_steps, stays the same)",
+        may_change_on_resume=True)
+    gradient_accumulation_steps: int = option(
+        1, "micro-batches per optimizer step (see per_device_batch_size on resuming)",
+        may_change_on_resume=True)
+    max_grad_norm: float = option(1.0, "clip the gradient norm to this (0: no clipping)")
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = option(
+        "auto", "auto: bf16 on GPU (fp16 where bf16 is unsupported), no (fp32) on CPU")
+
+    save_every: int = option(
+        500, "save a resumable checkpoint every N optimizer steps (0: only at the end)",
+        may_change_on_resume=True)
+    keep_checkpoints: int | None = option(
+        2, "keep the newest N checkpoints (none: keep all)", may_change_on_resume=True)
+    resume: str | None = option(
+        None, "continue a run: 'latest' (the newest checkpoint in output_dir, or a fresh start "
+        "when there is none) or a checkpoint directory", may_change_on_resume=True)
+
+    log_every: int = option(10, "write metrics every N optimizer steps", may_change_on_resume=True)
+    report_to: Literal["none", "wandb"] = option(
+        "none", "also log to Weights & Biases (offline unless WANDB_MODE=online)",
+        may_change_on_resume=True)
+    wandb_project: str = option("draftsmith", "W&B project name", may_change_on_resume=True)
+    run_name: str | None = option(
+        None, "run name for W&B (default: the output_dir's name)", may_change_on_resume=True)
+
+    eval_every: int = option(
+        500, "measure acceptance (tau) every N optimizer steps and at the end (0: never)",
+        may_change_on_resume=True)
+    eval_prompts: str = option(
+        "data/eval/mt_bench_question.jsonl", "held-out prompts for the acceptance evaluation",
+        may_change_on_resume=True)
+    eval_num_prompts: int = option(8, "prompts per acceptance evaluation",
+                                   may_change_on_resume=True)
+    eval_max_new_tokens: int = option(64, "tokens generated per evaluation prompt",
+                                      may_change_on_resume=True)
+    eval_temperature: float = option(0.0, "sampling temperature of the evaluation (0: greedy)",
+                                     may_change_on_resume=True)
+    num_workers: int = option(0, "DataLoader worker processes", may_change_on_resume=True)
+
+    def __post_init__(self) -> None:
+        """Range checks that name the key. Subclasses with their own checks call this first."""
+        at_least = {
+            "max_length": 2, "per_device_batch_size": 1, "gradient_accumulation_steps": 1,
+            "warmup_steps": 0, "save_every": 0, "log_every": 1, "eval_every": 0,
+            "eval_num_prompts": 1, "eval_max_new_tokens": 1, "num_workers": 0,
+            "max_steps": 1, "num_epochs": 1, "keep_checkpoints": 1,
+        }
+        for key, low in at_least.items():
+            value = getattr(self, key)
+            if value is not None and value < low:
+                raise ValueError(f"config key {key!r} must be >= {low}, got {value}")
+        for key in ("learning_rate",):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"config key {key!r} must be > 0, got {getattr(self, key)}")
+        for key in ("weight_decay", "max_grad_norm", "eval_temperature"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"config key {key!r} must be >= 0, got {getattr(self, key)}")
+        for key in ("min_lr_ratio", "adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ValueError(f"config key {key!r} must be in [0, 1], got {getattr(self, key)}")
+        if self.max_steps is None and self.num_epochs is None:
+            raise ValueError("config keys 'max_steps' and 'num_epochs' are both none: set at least "
+                             "one, so that training ends")
+        if self.resume is not None and not self.resume.strip():
+            raise ValueError("config key 'resume' is empty: give 'latest', a checkpoint directory "
+                             "or none")

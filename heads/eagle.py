@@ -1,0 +1,645 @@
+"""EAGLE heads: one decoder layer that autoregresses in the target's feature space.
+
+EAGLE-1 (``version=1``)
+    ``fc`` maps cat(token embedding, feature) (2h) to h, then one decoder layer of the target's own
+    class without its input norm; the target's frozen LM head turns the output into logits. The
+    output is also the next feature: it is trained to regress the target's next final-normed
+    hidden state (SmoothL1) plus 0.1 x soft cross-entropy against the target's distribution.
+EAGLE-3 (``version=3``)
+    ``fc`` fuses three target hidden states (3h -> h). The layer's attention reads
+    cat(input_layernorm(embedding), hidden_norm(feature)) (2h, so q/k/v take 2h inputs); its
+    residual stream starts from the un-normed feature. ``norm`` + an own ``lm_head`` over a reduced
+    draft vocabulary give logits; the un-normed output is the next feature. Trained by
+    training-time test: k unrolled steps on its own features, loss weights 0.8^i, soft
+    cross-entropy only.
+
+Index convention (the one vLLM uses for ``eagle_aux_hidden_state_layer_ids``): feature index i is
+transformers' ``output_hidden_states[i]``, i.e. the input of decoder layer i (the output of layer
+i - 1); index L (= num_hidden_layers) is the final-normed last layer. EAGLE-1 reads index L;
+EAGLE-3 reads three indices in 1..L-1, ascending (default 2, L//2, L-3), concatenated in that
+order before ``fc`` (vLLM collects them in layer order, so the order is part of the format).
+
+Draft vocabulary (EAGLE-3): the N most frequent target tokens of the training data. ``d2t``
+(int64, [N]) holds offsets: target_id = draft_id + d2t[draft_id]; ``t2d`` (bool, [V]) marks the
+target ids that have a draft id. Draft ids follow ascending target ids.
+
+Weight names are those of the serving layouts (vLLM / SGLang): EAGLE-1 ``fc.weight``,
+``layers.0.*`` (no ``input_layernorm``); EAGLE-3 ``fc.weight``, ``midlayer.*`` (with
+``midlayer.hidden_norm.weight``), ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``. The
+target's embedding (and EAGLE-1's LM head) are used by reference and never saved.
+
+Alignment used everywhere (training and inference): the head's entry at position t reads the
+target feature f_t (which predicted token x_{t+1}) and the embedding of x_{t+1}; its logits
+predict x_{t+2}. At training-time-test step i the entry of anchor t sits at position t + i,
+reads the embedding of x_{t+1+i} and the head's own step i-1 feature, and predicts x_{t+2+i}.
+
+Training API (what ``train/eagle.py`` calls)::
+
+    cfg = EagleConfig.from_target(target, version=3, draft_vocab_size=8192)
+    d2t, t2d = build_draft_vocab(count_tokens(ds["input_ids"], target.vocab_size,
+                                              ds["loss_mask"]), cfg.draft_vocab_size)
+    head = EagleHead(cfg, target, d2t=d2t, t2d=t2d, dtype=torch.float32)
+    batch = collate_causal_lm(rows, pad_id)                               # right-padded
+    batch.update(target_features(target, batch["input_ids"], batch["attention_mask"], cfg))
+    loss, metrics = eagle_loss(head, batch)        # metrics: 0-dim detached tensors
+    save_eagle(head, out / "artifact", target); head = load_eagle(out / "artifact", target)
+
+Offline mode replaces ``target_features`` by the cache in ``train/eagle_features.py``, whose
+batches carry the same keys and tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache
+
+from heads.artifact import load_artifact, save_artifact
+from heads.target import Target
+
+VERSIONS = (1, 3)
+METHOD_OF_VERSION = {1: "eagle1", 3: "eagle3"}
+# defaults of the two training recipes (EAGLE-1 paper; EAGLE-3 paper and its reference code)
+DEFAULT_NOISE = {1: 0.2, 3: 0.0}
+DEFAULT_TTT_STEPS = 7
+DEFAULT_STEP_DECAY = 0.8
+DEFAULT_CE_WEIGHT = 0.1
+# keys of the target's config dict that describe its checkpoint, not the layer
+_CONFIG_NOISE = ("_name_or_path", "_model_name_or_path", "transformers_version", "id2label",
+                 "label2id", "dtype", "torch_dtype")
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low/mid/high layers (vLLM's default): (2, L // 2, L - 3)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def _check_aux_ids(aux: Sequence[int], num_layers: int) -> tuple[int, ...]:
+    aux = tuple(int(i) for i in aux)
+    if len(aux) != 3 or not all(1 <= i <= num_layers - 1 for i in aux) or list(aux) != sorted(set(aux)):
+        raise ValueError(
+            f"EAGLE-3 needs three distinct ascending hidden-state indices in 1..{num_layers - 1} "
+            f"(inputs of decoder layers, vLLM's convention), got {list(aux)}; for a target with "
+            f"{num_layers} layers pass aux_layer_ids explicitly"
+        )
+    return aux
+
+
+@dataclass
+class EagleConfig:
+    """Everything needed to rebuild an EAGLE head on top of its target (saved in config.json)."""
+
+    version: int  # 1 or 3
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int  # = vocab_size for EAGLE-1
+    hidden_size: int  # the head's width (= the target's embedding width)
+    target_hidden_size: int
+    aux_layer_ids: tuple[int, ...]  # hidden-state indices the head reads: (L,) for EAGLE-1
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    target_num_layers: int  # L: index L of the hidden states is the target's final-normed feature
+    # the target's transformers config as a dict, shapes above applied, one hidden layer
+    layer_config: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.version not in VERSIONS:
+            raise ValueError(f"EAGLE version must be 1 or 3, got {self.version!r}")
+        self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
+        if self.version == 1 and self.draft_vocab_size != self.vocab_size:
+            raise ValueError("EAGLE-1 uses the target's LM head: draft_vocab_size must equal vocab_size")
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size must be in 1..{self.vocab_size} (the target's vocabulary), "
+                f"got {self.draft_vocab_size}"
+            )
+        if self.hidden_size != self.target_hidden_size:
+            raise ValueError(
+                f"the head reuses the target's embedding, so hidden_size ({self.hidden_size}) must "
+                f"equal target_hidden_size ({self.target_hidden_size})"
+            )
+
+    @property
+    def method(self) -> str:
+        return METHOD_OF_VERSION[self.version]
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """Hidden-state indices training needs: the inputs, plus L for the target's distribution."""
+        if self.version == 1:
+            return self.aux_layer_ids
+        return (*self.aux_layer_ids, self.target_num_layers)
+
+    @classmethod
+    def from_target(cls, target: Target, version: int, *, draft_vocab_size: int | None = None,
+                    aux_layer_ids: Sequence[int] | None = None,
+                    intermediate_size: int | None = None, num_attention_heads: int | None = None,
+                    num_key_value_heads: int | None = None) -> EagleConfig:
+        """A head shaped like one of the target's layers (sizes may be overridden)."""
+        if version not in VERSIONS:
+            raise ValueError(f"EAGLE version must be 1 or 3, got {version!r}")
+        tc = target.config
+        L = target.num_layers
+        if version == 1:
+            if aux_layer_ids not in (None, (L,), [L]):
+                raise ValueError(f"EAGLE-1 reads the final-normed feature (index {L}) only; "
+                                 f"got aux_layer_ids={aux_layer_ids}")
+            aux = (L,)
+            if draft_vocab_size not in (None, target.vocab_size):
+                raise ValueError("EAGLE-1 has no reduced draft vocabulary; leave draft_vocab_size unset")
+        else:
+            aux = _check_aux_ids(default_aux_layer_ids(L) if aux_layer_ids is None else aux_layer_ids, L)
+        heads = int(num_attention_heads or tc.num_attention_heads)
+        kv_heads = int(num_key_value_heads or getattr(tc, "num_key_value_heads", None) or heads)
+        head_dim = getattr(tc, "head_dim", None) or target.hidden_size // tc.num_attention_heads
+        layer = {k: v for k, v in tc.to_dict().items() if k not in _CONFIG_NOISE}
+        layer.update(
+            num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads,
+            head_dim=int(head_dim), intermediate_size=int(intermediate_size or tc.intermediate_size),
+        )
+        if isinstance(layer.get("layer_types"), list):
+            layer["layer_types"] = layer["layer_types"][:1]
+        return cls(
+            version=version, vocab_size=target.vocab_size,
+            draft_vocab_size=int(draft_vocab_size or target.vocab_size),
+            hidden_size=target.hidden_size, target_hidden_size=target.hidden_size,
+            aux_layer_ids=aux, num_attention_heads=heads, num_key_value_heads=kv_heads,
+            head_dim=int(head_dim), intermediate_size=int(layer["intermediate_size"]),
+            target_num_layers=L, layer_config=layer,
+        )
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["aux_layer_ids"] = list(self.aux_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> EagleConfig:
+        """From an artifact's config.json (unknown keys such as ``method`` and ``target`` ignored)."""
+        names = {f.name for f in fields(cls)}
+        missing = sorted(n for n in names if n not in d)
+        if missing:
+            raise ValueError(f"EAGLE config is missing {missing}; was it written by draftsmith?")
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def transformers_config(self, config_class, attn_implementation: str | None = None):
+        """The one-layer transformers config the decoder layer is built from."""
+        cfg = config_class.from_dict(dict(self.layer_config))
+        if attn_implementation is not None:
+            cfg._attn_implementation = attn_implementation
+        return cfg
+
+
+def attention_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool (..., q, k) -> additive float mask: 0 where allowed, the dtype's minimum elsewhere."""
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
+def causal_mask(q_len: int, past: int, dtype: torch.dtype, device,
+                key_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """(1 or B, 1, q_len, past + q_len) float mask: query j sees keys 0..past + j (and valid keys)."""
+    k = torch.arange(past + q_len, device=device)
+    q = torch.arange(q_len, device=device) + past
+    allowed = (k[None, :] <= q[:, None])[None, None]  # (1, 1, q, k)
+    if key_valid is not None:
+        allowed = allowed & key_valid.bool()[:, None, None, :]
+    return attention_bias(allowed, dtype)
+
+
+class EagleHead(nn.Module):
+    """An EAGLE-1 or EAGLE-3 head built from the target's own transformers classes.
+
+    ``EagleHead(config, target, d2t=None, t2d=None, dtype=None)``: EAGLE-3 with a reduced draft
+    vocabulary needs the ``d2t``/``t2d`` maps of :func:`build_draft_vocab`; its ``lm_head`` rows and
+    ``norm`` start from the target's. ``dtype`` defaults to the target's (use float32 master
+    weights for mixed-precision training).
+    """
+
+    def __init__(self, config: EagleConfig, target: Target, d2t: torch.Tensor | None = None,
+                 t2d: torch.Tensor | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self._check_target(config, target)
+        self.config = config
+        h = config.hidden_size
+        self.layer_config = config.transformers_config(
+            type(target.config), getattr(target.config, "_attn_implementation", None)
+        )
+        layer = type(target.layers[0])(self.layer_config, layer_idx=0)
+        for part in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
+            if not hasattr(layer, part):
+                raise ValueError(
+                    f"{type(layer).__name__} has no {part!r}: EAGLE heads need a pre-norm decoder "
+                    "layer (self_attn, mlp, input_layernorm, post_attention_layernorm)"
+                )
+        if config.version == 1:
+            self.fc = nn.Linear(2 * h, h, bias=False)
+            # EAGLE-1 feeds fc's output to attention directly (the reference code drops this norm)
+            layer.input_layernorm = nn.Identity()
+            self.layers = nn.ModuleList([layer])
+        else:
+            self.fc = nn.Linear(3 * config.target_hidden_size, h, bias=False)
+            attn = layer.self_attn
+            for name in ("q_proj", "k_proj", "v_proj"):
+                old = getattr(attn, name)
+                setattr(attn, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
+            layer.hidden_norm = copy.deepcopy(layer.input_layernorm)
+            self.midlayer = layer
+            self.norm = copy.deepcopy(target.norm)
+            self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+            d2t, t2d = self._vocab_maps(config, d2t, t2d)
+            self.register_buffer("d2t", d2t.to(torch.int64).to(target.device))
+            self.register_buffer("t2d", t2d.to(torch.bool).to(target.device))
+        rotary = getattr(target.decoder, "rotary_emb", None)
+        if rotary is None:
+            raise ValueError(f"{type(target.decoder).__name__} has no rotary_emb; EAGLE heads need "
+                             "a rotary-position decoder")
+        # Frozen parts of the target, used by reference: not submodules, so never saved, never
+        # handed to an optimizer and never wrapped for gradient sync. The head keeps the target's
+        # head_dim and rope settings, so the target's own rotary module gives its exact tables.
+        self.__dict__["rotary_emb"] = rotary
+        self.__dict__["target_embed"] = target.embed
+        self.__dict__["target_lm_head"] = target.lm_head
+        self.to(device=target.device, dtype=dtype or target.dtype)
+        if config.version == 3:
+            with torch.no_grad():  # the draft vocabulary's rows of the target's LM head
+                kept = torch.arange(config.draft_vocab_size, device=target.device) + self.d2t
+                self.lm_head.weight.copy_(target.lm_head.weight[kept])
+        for p in self.parameters():
+            p.requires_grad_(True)
+
+    @staticmethod
+    def _check_target(config: EagleConfig, target: Target) -> None:
+        if config.vocab_size != target.vocab_size or config.target_hidden_size != target.hidden_size:
+            raise ValueError(
+                f"EAGLE config is for a target with vocab {config.vocab_size} / hidden "
+                f"{config.target_hidden_size}, but {target.name!r} has {target.vocab_size} / "
+                f"{target.hidden_size}"
+            )
+        L = target.num_layers
+        if config.version == 1 and config.aux_layer_ids != (L,):
+            raise ValueError(f"EAGLE-1 reads hidden state {L}, config says {config.aux_layer_ids}")
+        if config.version == 3:
+            _check_aux_ids(config.aux_layer_ids, L)
+
+    @staticmethod
+    def _vocab_maps(config: EagleConfig, d2t, t2d) -> tuple[torch.Tensor, torch.Tensor]:
+        if d2t is None and t2d is None:
+            if config.draft_vocab_size != config.vocab_size:
+                raise ValueError(
+                    f"a draft vocabulary of {config.draft_vocab_size} < {config.vocab_size} needs "
+                    "d2t and t2d: build them with build_draft_vocab(token_counts, n)"
+                )
+            return (torch.zeros(config.vocab_size, dtype=torch.int64),
+                    torch.ones(config.vocab_size, dtype=torch.bool))
+        if d2t is None or t2d is None:
+            raise ValueError("give both d2t and t2d (from build_draft_vocab), or neither")
+        check_vocab_maps(d2t, t2d, config.vocab_size)
+        if d2t.numel() != config.draft_vocab_size:
+            raise ValueError(f"d2t has {d2t.numel()} entries, config.draft_vocab_size is "
+                             f"{config.draft_vocab_size}")
+        return d2t, t2d
+
+    @property
+    def version(self) -> int:
+        return self.config.version
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @property
+    def decoder_layer(self) -> nn.Module:
+        return self.layers[0] if self.version == 1 else self.midlayer
+
+    def new_cache(self) -> DynamicCache:
+        """An empty KV cache for the head's single layer."""
+        return DynamicCache(config=self.layer_config)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(B, S) target ids -> (B, S, h) through the target's frozen embedding."""
+        with torch.no_grad():
+            return self.target_embed(input_ids).to(self.dtype)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features -> the head's input feature (B, S, h).
+
+        EAGLE-1: the final-normed feature itself. EAGLE-3: ``fc`` over the aux features
+        concatenated in ascending layer order, (B, S, 3 * target_hidden).
+        """
+        features = features.to(self.dtype)
+        return features if self.version == 1 else self.fc(features)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids -> target ids (identity for EAGLE-1)."""
+        return draft_ids if self.version == 1 else draft_ids + self.d2t[draft_ids]
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, cache: DynamicCache | None = None,
+                logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step of the head over S entries.
+
+        input_ids (B, S) target ids; hidden (B, S, h): the fused target feature or the head's own
+        previous output; position_ids (B or 1, S); attention_mask: additive float mask
+        (B or 1, 1, S, past + S), default causal over ``cache``; entries are appended to ``cache``.
+        Returns (next feature (B, S, h), logits (B, S', draft_vocab)), S' = logits_to_keep or S.
+        """
+        hidden = hidden.to(self.dtype)
+        if attention_mask is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            attention_mask = causal_mask(input_ids.shape[1], past, self.dtype, self.device)
+        embeds = self.embed(input_ids)
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        attn_kwargs = dict(attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                           use_cache=cache is not None, position_embeddings=position_embeddings)
+        if self.version == 1:
+            out = self.layers[0](self.fc(torch.cat([embeds, hidden], dim=-1)), **attn_kwargs)
+            out = out[0] if isinstance(out, tuple) else out
+            kept = out[:, -logits_to_keep:] if logits_to_keep else out
+            logits = self.target_lm_head(kept.to(self.target_lm_head.weight.dtype))
+            return out, logits
+        layer = self.midlayer
+        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)  # (B, S, 2h)
+        attn_out = layer.self_attn(hidden_states=x, **attn_kwargs)[0]
+        out = hidden + attn_out  # the residual stream starts from the un-normed feature
+        out = out + layer.mlp(layer.post_attention_layernorm(out))
+        kept = out[:, -logits_to_keep:] if logits_to_keep else out
+        return out, self.lm_head(self.norm(kept))
+
+
+# ------------------------------------------------------------------------------------------------
+# Draft vocabulary
+
+
+def count_tokens(token_ids: Iterable[Sequence[int]], vocab_size: int,
+                 loss_masks: Iterable[Sequence[int]] | None = None) -> torch.Tensor:
+    """(vocab,) int64 counts of the tokens the draft must predict (loss_mask == 1 when given)."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    masks = iter(loss_masks) if loss_masks is not None else None
+    for ids in token_ids:
+        ids_t = torch.as_tensor(ids, dtype=torch.int64)
+        if masks is not None:
+            ids_t = ids_t[torch.as_tensor(next(masks), dtype=torch.bool)]
+        if ids_t.numel() and (int(ids_t.min()) < 0 or int(ids_t.max()) >= vocab_size):
+            raise ValueError(f"token ids outside 0..{vocab_size - 1}: wrong tokenizer for this target?")
+        counts += torch.bincount(ids_t, minlength=vocab_size)
+    return counts
+
+
+def build_draft_vocab(token_counts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n most frequent target tokens as a draft vocabulary -> (d2t, t2d).
+
+    Ties (and tokens never seen, when fewer than n were) are broken by lower id. Draft ids follow
+    ascending target ids: d2t (int64, [n]) with target_id = draft_id + d2t[draft_id]; t2d (bool,
+    [vocab]) True exactly at the kept target ids.
+    """
+    token_counts = torch.as_tensor(token_counts).reshape(-1)
+    vocab = token_counts.numel()
+    if not 1 <= n <= vocab:
+        raise ValueError(f"draft vocabulary size must be in 1..{vocab}, got {n}")
+    order = torch.sort(-token_counts.to(torch.int64), stable=True).indices  # most frequent first
+    kept = torch.sort(order[:n]).values
+    d2t = kept - torch.arange(n)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[kept] = True
+    return d2t, t2d
+
+
+def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int) -> None:
+    """Refuse inconsistent maps (a wrong d2t silently destroys acceptance in vLLM)."""
+    if d2t.dim() != 1 or t2d.dim() != 1 or t2d.numel() != vocab_size:
+        raise ValueError(f"d2t must be 1-D and t2d 1-D over the {vocab_size}-token target vocabulary")
+    target_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t.to(torch.int64)
+    if d2t.numel() and (int(target_ids.min()) < 0 or int(target_ids.max()) >= vocab_size):
+        raise ValueError("d2t maps draft ids outside the target vocabulary")
+    if not bool((target_ids[1:] > target_ids[:-1]).all()):
+        raise ValueError("d2t must map draft ids to distinct, ascending target ids")
+    marked = torch.zeros(vocab_size, dtype=torch.bool, device=d2t.device)
+    marked[target_ids] = True
+    if not torch.equal(marked, t2d.to(torch.bool).to(d2t.device)):
+        raise ValueError("t2d does not mark exactly the target ids d2t maps to")
+
+
+# ------------------------------------------------------------------------------------------------
+# Features and losses
+
+
+@torch.no_grad()
+def target_features(target: Target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    config: EagleConfig) -> dict[str, torch.Tensor]:
+    """Online mode: run the frozen target on a batch and take what the loss needs.
+
+    -> {"features": (B, S, F), "last_hidden": (B, S, h)}: F = h (EAGLE-1, index L) or 3h (EAGLE-3,
+    the aux indices concatenated in ascending order); last_hidden is index L (the target's
+    distribution is lm_head(last_hidden)). The LM head itself is not run here.
+    """
+    out = target.decoder(input_ids=input_ids, attention_mask=attention_mask,
+                         output_hidden_states=True, use_cache=False)
+    hs = out.hidden_states
+    last = hs[target.num_layers]
+    if config.version == 1:
+        return {"features": last, "last_hidden": last}
+    return {"features": torch.cat([hs[i] for i in config.aux_layer_ids], dim=-1), "last_hidden": last}
+
+
+def _with_noise(features: torch.Tensor, amount: float, generator) -> torch.Tensor:
+    """Uniform noise in [-amount/2, amount/2) on the input features (EAGLE's robustness trick)."""
+    if not amount:
+        return features
+    noise = torch.rand(features.shape, generator=generator, device=features.device,
+                       dtype=torch.float32)
+    return features + ((noise - 0.5) * amount).to(features.dtype)
+
+
+def _shift_left(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
+    """x[:, by:] padded at the end to x's length along dim 1."""
+    if by == 0:
+        return x
+    pad = x.new_full((x.shape[0], by, *x.shape[2:]), fill)
+    return torch.cat([x[:, by:], pad], dim=1)
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp_min(1)
+
+
+def _anchor_mask(loss_mask: torch.Tensor, step: int) -> torch.Tensor:
+    """(B, S-1): anchor t at step ``step`` predicts token t + 2 + step; weight loss_mask there."""
+    return _shift_left(loss_mask[:, 1:], 1 + step).bool()
+
+
+def eagle1_loss(head: EagleHead, input_ids: torch.Tensor, features: torch.Tensor,
+                loss_mask: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                feature_noise: float = DEFAULT_NOISE[1], ce_weight: float = DEFAULT_CE_WEIGHT,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
+    """EAGLE-1: SmoothL1(next feature) + ce_weight x soft CE against the target's distribution.
+
+    input_ids, loss_mask, attention_mask (B, S), right-padded; features (B, S, h) = the target's
+    final-normed hidden states. Returns (loss, metrics) with metrics 0-dim detached tensors:
+    loss, feature_loss, ce_loss, acc_0 (draft argmax == target argmax), tokens.
+    """
+    if head.version != 1:
+        raise ValueError("eagle1_loss needs an EAGLE-1 head; use eagle3_loss")
+    S = input_ids.shape[1]
+    if S < 3:
+        raise ValueError(f"sequences need at least 3 tokens to train EAGLE, got {S}")
+    valid_keys = None if attention_mask is None else attention_mask[:, 1:]
+    mask = causal_mask(S - 1, 0, head.dtype, head.device, valid_keys)
+    inputs = _with_noise(features[:, :-1], feature_noise, generator)
+    positions = torch.arange(S - 1, device=input_ids.device)[None]
+    predicted, logits = head(input_ids[:, 1:], head.fuse(inputs), positions, mask)  # (B, S-1, ·)
+    wanted = features[:, 1:].to(predicted.dtype)  # f_{t+1}
+    with torch.no_grad():
+        target_logp = F.log_softmax(_target_logits(head, features[:, 1:]).float(), dim=-1)
+    weight = _anchor_mask(loss_mask, 0)
+    feature_loss = _masked_mean(F.smooth_l1_loss(predicted, wanted, reduction="none").mean(-1), weight)
+    logp = F.log_softmax(logits.float(), dim=-1)
+    ce = _masked_mean(-(target_logp.exp() * logp).sum(-1), weight)
+    loss = feature_loss + ce_weight * ce
+    acc = _masked_mean((logits.argmax(-1) == target_logp.argmax(-1)).float(), weight)
+    metrics = {"loss": loss.detach(), "feature_loss": feature_loss.detach(), "ce_loss": ce.detach(),
+               "acc_0": acc.detach(), "tokens": weight.sum().detach()}
+    return loss, metrics
+
+
+def ttt_mask(S: int, step: int, dtype: torch.dtype, device,
+             key_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """(B or 1, 1, S, (step + 1) S) mask of training-time-test step ``step``.
+
+    Anchor t sees the step-0 entries 0..t (real prefix) and its own entries of steps 1..step
+    (its chain), exactly what it sees when drafting step ``step`` at inference.
+    """
+    k = torch.arange(S, device=device)
+    causal = k[None, :] <= k[:, None]  # (S, S)
+    if key_valid is None:
+        first = causal[None, None]
+    else:
+        first = causal[None, None] & key_valid.bool()[:, None, None, :]
+    diag = torch.eye(S, dtype=torch.bool, device=device)[None, None].expand(first.shape[0], 1, S, S)
+    return attention_bias(torch.cat([first, *([diag] * step)], dim=-1), dtype)
+
+
+def eagle3_loss(head: EagleHead, input_ids: torch.Tensor, features: torch.Tensor,
+                last_hidden: torch.Tensor, loss_mask: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, *, steps: int = DEFAULT_TTT_STEPS,
+                decay: float = DEFAULT_STEP_DECAY, feature_noise: float = DEFAULT_NOISE[3],
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
+    """EAGLE-3 training-time test: ``steps`` unrolled steps, soft CE weighted decay^i.
+
+    input_ids, loss_mask, attention_mask (B, S), right-padded; features (B, S, 3h) the aux hidden
+    states; last_hidden (B, S, h) index L. Step i feeds the head its own step i-1 features (step
+    0: the fused target features) with the data's tokens, at positions t + i. The target's
+    distribution is restricted to the draft vocabulary and renormalised; positions whose target
+    argmax has no draft id are skipped (as in the reference code). Returns (loss, metrics):
+    loss, ce_loss_i and acc_i per step (draft argmax == target argmax), tokens.
+    """
+    if head.version != 3:
+        raise ValueError("eagle3_loss needs an EAGLE-3 head; use eagle1_loss")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    B, S = input_ids.shape
+    if S < 3:
+        raise ValueError(f"sequences need at least 3 tokens to train EAGLE, got {S}")
+    n = S - 1  # anchors t = 0..S-2
+    with torch.no_grad():
+        # the target's distribution at positions 1..S-1 (index j <-> position j + 1)
+        full = _target_logits(head, last_hidden[:, 1:])  # (B, n, V)
+        in_vocab = head.t2d[full.argmax(-1)]  # (B, n)
+        kept = torch.arange(head.config.draft_vocab_size, device=full.device) + head.d2t
+        target_logp = F.log_softmax(full[..., kept].float(), dim=-1)  # (B, n, Vd)
+        del full
+    valid_keys = None if attention_mask is None else attention_mask[:, 1:]
+    cache = head.new_cache()
+    hidden = head.fuse(_with_noise(features[:, :-1], feature_noise, generator))
+    anchors = torch.arange(n, device=input_ids.device)[None]
+    tokens = input_ids[:, 1:]
+    loss = torch.zeros((), dtype=torch.float32, device=input_ids.device)
+    metrics: dict[str, torch.Tensor] = {}
+    total = torch.zeros((), device=input_ids.device)
+    for i in range(steps):
+        mask = ttt_mask(n, i, head.dtype, head.device, valid_keys)
+        hidden, logits = head(_shift_left(tokens, i), hidden, anchors + i, mask, cache)
+        weight = _anchor_mask(loss_mask, i) & _shift_left(in_vocab, i, False)
+        want = _shift_left(target_logp, i)
+        ce = _masked_mean(-(want.exp() * F.log_softmax(logits.float(), dim=-1)).sum(-1), weight)
+        loss = loss + (decay ** i) * ce
+        acc = _masked_mean((logits.argmax(-1) == want.argmax(-1)).float(), weight)
+        metrics[f"ce_loss_{i}"] = ce.detach()
+        metrics[f"acc_{i}"] = acc.detach()
+        if i == 0:
+            total = weight.sum().detach()
+    metrics["loss"] = loss.detach()
+    metrics["tokens"] = total
+    return loss, metrics
+
+
+def _target_logits(head: EagleHead, last_hidden: torch.Tensor) -> torch.Tensor:
+    """The target's logits from its final-normed hidden states, through its frozen LM head."""
+    lm_head = head.target_lm_head
+    return lm_head(last_hidden.to(lm_head.weight.dtype))
+
+
+def eagle_loss(head: EagleHead, batch: dict, *, steps: int = DEFAULT_TTT_STEPS,
+               decay: float = DEFAULT_STEP_DECAY, feature_noise: float | None = None,
+               ce_weight: float = DEFAULT_CE_WEIGHT,
+               generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
+    """The head's loss on a batch with input_ids, attention_mask, loss_mask, features, last_hidden.
+
+    ``feature_noise`` None -> the version's default (0.2 for EAGLE-1, 0 for EAGLE-3).
+    """
+    missing = [k for k in ("input_ids", "loss_mask", "features", "last_hidden") if k not in batch]
+    if missing:
+        raise ValueError(f"batch lacks {missing}: add target_features(...) (online) or use the "
+                         "feature cache's collate (offline)")
+    noise = DEFAULT_NOISE[head.version] if feature_noise is None else feature_noise
+    if head.version == 1:
+        return eagle1_loss(head, batch["input_ids"], batch["features"], batch["loss_mask"],
+                           batch.get("attention_mask"), feature_noise=noise, ce_weight=ce_weight,
+                           generator=generator)
+    return eagle3_loss(head, batch["input_ids"], batch["features"], batch["last_hidden"],
+                       batch["loss_mask"], batch.get("attention_mask"), steps=steps, decay=decay,
+                       feature_noise=noise, generator=generator)
+
+
+# ------------------------------------------------------------------------------------------------
+# Artifact
+
+
+def save_eagle(head: EagleHead, directory: str | os.PathLike, target: Target) -> Path:
+    """Write the head as a draftsmith artifact (method eagle1/eagle3); the target is not saved."""
+    return save_artifact(directory, head.config.method, head.config.to_dict(), head.state_dict(),
+                         target.identity())
+
+
+def load_eagle(directory: str | os.PathLike, target: Target,
+               dtype: torch.dtype | None = None) -> EagleHead:
+    """Rebuild a saved head on ``target``; refuses an artifact trained for another target."""
+    directory = Path(directory)
+    if not directory.exists():
+        raise FileNotFoundError(f"EAGLE artifact {directory} does not exist")
+    meta, state = load_artifact(directory, ("eagle1", "eagle3"), device=target.device)
+    target.check_identity(meta.get("target", {}), what=f"EAGLE artifact {directory}")
+    config = EagleConfig.from_dict(meta)
+    if meta["method"] != config.method:
+        raise ValueError(f"{directory}: method {meta['method']!r} but version {config.version}")
+    maps = {}
+    if config.version == 3:
+        maps = {"d2t": state.get("d2t"), "t2d": state.get("t2d")}
+        if maps["d2t"] is None or maps["t2d"] is None:
+            raise ValueError(f"{directory} is an EAGLE-3 artifact without d2t/t2d")
+    head = EagleHead(config, target, dtype=dtype, **maps)
+    head.load_state_dict(state, strict=True)
+    return head

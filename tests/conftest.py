@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny random Llama targets and drafts built in memory (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from heads.target import wrap_target
+
+
+def tiny_llama(vocab: int = 96, hidden: int = 64, layers: int = 2, seed: int = 0,
+               dtype: torch.dtype = torch.float64, eos: int | None = None,
+               init: float = 0.2) -> LlamaForCausalLM:
+    """A random 2-layer Llama; float64 so greedy comparisons have no near-ties from rounding.
+
+    ``init`` is the weight std: larger than the usual 0.02 so outputs are peaked and varied.
+    """
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, initializer_range=init, eos_token_id=eos, bos_token_id=None, pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    return wrap_target(tiny_llama(seed=0), name="tiny-target")
+
+
+def noisy_copy(model: LlamaForCausalLM, noise: float, seed: int = 1) -> LlamaForCausalLM:
+    """The model with Gaussian noise on every weight: a draft that agrees often, not always."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * noise * p.std())
+    return draft.requires_grad_(False)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tiny_target):
+    """Same vocabulary, perturbed weights: accepts some tokens and rejects others."""
+    return noisy_copy(tiny_target.model, 0.08)

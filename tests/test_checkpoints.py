@@ -1,0 +1,525 @@
+"""train.checkpoints and TrainConfig: exact resume, atomic saves, pruning, refusals, stopping, DDP.
+
+Most tests drive tests/fixtures/toy_train.py, a complete small trainer built from the runtime's
+helpers (a linear head with dropout and noise on a frozen tiny random Llama), in-process; the
+SIGTERM and two-process tests run it as a subprocess.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
+from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+from accelerate.utils import DeepSpeedPlugin, DistributedType, FullyShardedDataParallelPlugin
+from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+from safetensors.torch import load_file
+from torch import nn
+from torch.utils.data import DataLoader
+
+from train.checkpoints import (
+    STATE_FILE,
+    Checkpointer,
+    EpochSampler,
+    GracefulStop,
+    epoch_sampler,
+    latest_checkpoint,
+    launched_on_cpu,
+    learning_rate,
+    list_checkpoints,
+    make_accelerator,
+    make_optimizer,
+    make_train_dataloader,
+    planned_steps,
+    read_checkpoint_state,
+    resolve_mixed_precision,
+)
+from train.config import TrainConfig, config_from_dict, may_change_on_resume, parse_config
+
+REPO = Path(__file__).resolve().parents[1]
+TOY = REPO / "tests" / "fixtures" / "toy_train.py"
+ACCELERATE_CONFIGS = REPO / "configs" / "accelerate"
+
+# 20 rows and a global batch of 8 (4 rows x 2 micro-batches): 2 optimizer steps per epoch, so a
+# 6-step run crosses two epoch boundaries and a stop at step 3 falls mid-epoch.
+BASE = dict(target="tiny-llama", max_steps=6, per_device_batch_size=4, gradient_accumulation_steps=2, num_rows=20,
+            warmup_steps=2, lr_schedule="cosine", learning_rate=1e-2, save_every=2,
+            keep_checkpoints=None, log_every=1, eval_every=0, head_dropout=0.1, head_noise=0.05)
+
+
+def _subprocess_env() -> dict:
+    # one thread per process: the CPU is shared, and oversubscribed threads make torch crawl
+    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+
+
+@pytest.fixture(scope="module")
+def toy():
+    spec = importlib.util.spec_from_file_location("toy_train", TOY)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["toy_train"] = module  # dataclass type hints resolve through sys.modules
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("toy_train", None)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run(toy, out: Path, **overrides) -> dict:
+    cfg = config_from_dict(toy.ToyConfig, {**BASE, "output_dir": str(out), **overrides})
+    return toy.main(cfg)
+
+
+def train_records(out: Path) -> list[dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+def steps_of(out: Path) -> list[int]:
+    return [int(p.name.split("_")[1]) for p in list_checkpoints(out / "checkpoints")]
+
+
+# ------------------------------------------------------------------------------------------------
+# Exact resume
+
+
+def test_resume_continues_exactly(toy, tmp_path, capsys):
+    """3 steps, a stop, then resume latest for 3 more == 6 uninterrupted steps, bit for bit,
+    with shuffling, dropout, noise, gradient accumulation, warmup + cosine and epoch crossings."""
+    whole = run(toy, tmp_path / "whole")
+    first = run(toy, tmp_path / "split", stop_after=3)
+    assert first["stopped"] and first["step"] == 3
+    assert "stopped by stop_after 3 after step 3 of 6" in capsys.readouterr().out
+    assert steps_of(tmp_path / "split") == [2, 3]
+    assert not (tmp_path / "split" / "artifact").exists()  # a stopped run exports nothing
+    rest = run(toy, tmp_path / "split", resume="latest")
+    assert rest["step"] == 6
+
+    expected = train_records(tmp_path / "whole")
+    got = train_records(tmp_path / "split")
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]  # one consistent history
+    for a, b in zip(expected, got):
+        assert (a["loss"], a["accuracy"], a["lr"]) == (b["loss"], b["accuracy"], b["lr"])
+    assert len({r["loss"] for r in expected}) == 6  # the losses do move
+    for name, tensor in whole["weights"].items():
+        assert torch.equal(tensor, rest["weights"][name]), name
+
+    # a checkpoint path (not 'latest') continues exactly too, here into a new directory
+    from_path = run(toy, tmp_path / "branch",
+                    resume=str(tmp_path / "split" / "checkpoints" / "step_2"))
+    assert [r["loss"] for r in train_records(tmp_path / "branch")] == \
+        [r["loss"] for r in expected[2:]]
+    for name, tensor in whole["weights"].items():
+        assert torch.equal(tensor, from_path["weights"][name]), name
+
+
+def test_trainer_state_records_position_config_and_target(toy, tmp_path):
+    run(toy, tmp_path, max_steps=3, save_every=0)
+    recorded = read_checkpoint_state(tmp_path / "checkpoints" / "step_3")
+    assert recorded["step"] == 3 and recorded["samples_seen"] == 24
+    assert recorded["samples_per_step"] == 8 and recorded["steps_per_epoch"] == 2
+    assert recorded["epoch"] == 1.5 and recorded["dataset_rows"] == 20
+    assert recorded["config_class"] == "ToyConfig" and recorded["config"]["learning_rate"] == 1e-2
+    assert recorded["target"]["hidden_size"] == 64 and recorded["target"]["num_hidden_layers"] == 2
+    # the accelerate state: the head's weights only, never the frozen target
+    weights = load_file(str(tmp_path / "checkpoints" / "step_3" / "model.safetensors"))
+    assert sorted(weights) == ["proj.bias", "proj.weight"]
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["max_steps"] == 3
+
+
+def test_num_epochs_ends_training(toy, tmp_path):
+    result = run(toy, tmp_path, max_steps=None, num_epochs=2, save_every=0)
+    assert result["step"] == 4  # 2 epochs x 2 steps
+    assert train_records(tmp_path)[-1]["epoch"] == 2.0
+    assert (tmp_path / "artifact" / "model.safetensors").is_file()
+
+
+# ------------------------------------------------------------------------------------------------
+# Atomic saves and pruning
+
+
+def test_a_failing_save_leaves_the_previous_checkpoint_as_latest(toy, tmp_path, monkeypatch):
+    from accelerate import Accelerator
+
+    original = Accelerator.save_state
+    calls = []
+
+    def save_then_fail(self, output_dir=None, **kwargs):
+        calls.append(output_dir)
+        if len(calls) == 2:  # the second save dies half-way: one file written, then an error
+            Path(output_dir, "model.safetensors").write_bytes(b"half")
+            raise OSError("disk full")
+        return original(self, output_dir, **kwargs)
+
+    monkeypatch.setattr(Accelerator, "save_state", save_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        run(toy, tmp_path, max_steps=4)
+    root = tmp_path / "checkpoints"
+    assert (root / ".tmp-step_4" / "model.safetensors").is_file()  # the half-written save
+    assert steps_of(tmp_path) == [2] and latest_checkpoint(root) == root / "step_2"
+    # a step directory without trainer_state.json is never "latest" either
+    (root / "step_9").mkdir()
+    (root / "step_9" / "model.safetensors").write_bytes(b"junk")
+    assert latest_checkpoint(root) == root / "step_2"
+
+    monkeypatch.setattr(Accelerator, "save_state", original)
+    assert run(toy, tmp_path, max_steps=4, resume="latest")["step"] == 4
+    assert steps_of(tmp_path) == [2, 4]
+    assert not (root / ".tmp-step_4").exists()  # leftovers are cleaned by the next save
+
+
+@pytest.mark.parametrize("keep, expected", [(2, [5, 6]), (None, [1, 2, 3, 4, 5, 6])])
+def test_keep_checkpoints_prunes_the_oldest(toy, tmp_path, keep, expected):
+    run(toy, tmp_path, save_every=1, keep_checkpoints=keep)
+    assert steps_of(tmp_path) == expected
+
+
+# ------------------------------------------------------------------------------------------------
+# Refusals
+
+
+def test_resume_refuses_changed_training_keys_and_allows_the_others(toy, tmp_path):
+    run(toy, tmp_path, stop_after=2)
+    cases = [
+        (dict(learning_rate=2e-2), r"'learning_rate' changed \(learning_rate: 0\.01 in the "
+                                   r"checkpoint, 0\.02 now\)"),
+        (dict(head_dropout=0.2), r"'head_dropout'"),  # a trainer's own key
+        (dict(seed=1, lr_schedule="linear"), r"'seed', 'lr_schedule'"),
+        (dict(per_device_batch_size=2), r"global batch was 8 rows per optimizer step, now it "
+                                        r"is 4"),
+        (dict(num_rows=24), r"'num_rows'"),
+        (dict(target="another"), r"'target'"),
+    ]
+    for change, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            run(toy, tmp_path, resume="latest", **change)
+    # the same global batch on another split is fine, as are logging, saving, length of run
+    result = run(toy, tmp_path, resume="latest", per_device_batch_size=2,
+                 gradient_accumulation_steps=4, log_every=3, save_every=0, max_steps=3,
+                 eval_every=0, stop_after=None)
+    assert result["step"] == 3
+
+
+def test_resume_refuses_another_target_or_other_data(toy, tmp_path):
+    run(toy, tmp_path, max_steps=2)
+    cfg = config_from_dict(toy.ToyConfig, {**BASE, "output_dir": str(tmp_path),
+                                           "resume": "latest"})
+    accelerator = make_accelerator(cfg)
+    loader = make_train_dataloader(toy.synthetic_rows(20, 16), cfg, accelerator, list)
+    head = toy.ToyHead(64, 259, 0.0, 0.0)
+    optimizer = make_optimizer(head, cfg)
+    head, optimizer, loader = accelerator.prepare(head, optimizer, loader)
+    identity = toy.tiny_target(cfg.target).identity()
+    for other, pattern in [({"hidden_size": 32}, r"hidden_size: 64 there, 32 here"),
+                           ({"name": "tiny-b"}, r"name: 'tiny-llama' there, 'tiny-b' here")]:
+        checkpointer = Checkpointer(accelerator, cfg, {**identity, **other}, loader)
+        with pytest.raises(ValueError, match=f"another target.*{pattern}"):
+            checkpointer.resume()
+    assert Checkpointer(accelerator, cfg, identity, loader).resume().step == 2
+    # other data under the same config (a data file edited in place) changes the order too
+    longer = accelerator.prepare(make_train_dataloader(toy.synthetic_rows(24, 16), cfg,
+                                                       accelerator, list))
+    with pytest.raises(ValueError, match="training data had 20 rows then and 24 now"):
+        Checkpointer(accelerator, cfg, identity, longer).resume()
+
+
+def test_resume_specs_and_output_dir_misuse(toy, tmp_path, capsys):
+    run(toy, tmp_path / "run", max_steps=4)  # step_2 and step_4
+    with pytest.raises(ValueError, match=r"already holds checkpoints \(newest: step_4\).*"
+                                         r"--resume latest"):
+        run(toy, tmp_path / "run")
+    with pytest.raises(ValueError, match=r"newer checkpoints \(step_4\)"):
+        run(toy, tmp_path / "run", resume=str(tmp_path / "run" / "checkpoints" / "step_2"))
+    with pytest.raises(FileNotFoundError, match="not found: .*nowhere"):
+        run(toy, tmp_path / "other", resume=str(tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="neither a checkpoint"):
+        run(toy, tmp_path / "other", resume=str(tmp_path / "empty"))
+    # resuming past the (lowered) end trains nothing and exports what the checkpoint holds
+    assert run(toy, tmp_path / "run", resume="latest", max_steps=3)["step"] == 4
+    assert (tmp_path / "run" / "artifact" / "model.safetensors").is_file()
+    # a run directory means its newest checkpoint
+    assert run(toy, tmp_path / "other", resume=str(tmp_path / "run"), max_steps=5)["step"] == 5
+    # 'latest' with nothing saved yet starts from scratch (preemptible jobs always pass it)
+    assert run(toy, tmp_path / "fresh", resume="latest", max_steps=1)["step"] == 1
+    assert "no checkpoint in" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------
+# Stopping on signals
+
+
+def test_graceful_stop_turns_signals_into_a_flag_and_a_second_one_aborts():
+    before = signal.getsignal(signal.SIGTERM)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with GracefulStop(grace_s=0.3) as stop:
+            assert not stop.should_stop()
+            os.kill(os.getpid(), sig)
+            time.sleep(0.05)  # the handler runs in the main thread between bytecodes
+            assert stop.should_stop() and stop.reason == signal.Signals(sig).name
+            os.kill(os.getpid(), sig)  # at once: a launcher forwarding the same Ctrl-C
+            time.sleep(0.05)
+            assert stop.should_stop()
+            time.sleep(0.3)
+            with pytest.raises(KeyboardInterrupt, match="aborting without saving"):
+                os.kill(os.getpid(), sig)  # a deliberate second signal
+                time.sleep(0.05)
+    assert signal.getsignal(signal.SIGTERM) is before
+    with GracefulStop() as stop:
+        stop.request("time limit")
+        assert stop.should_stop() and stop.reason == "time limit"
+
+
+def test_sigterm_saves_a_resumable_checkpoint_and_exits_cleanly(toy, tmp_path):
+    out = tmp_path / "run"
+    settings = {**BASE, "max_steps": 500, "save_every": 0, "step_sleep": 0.2}
+    command = [sys.executable, str(TOY), f"--output_dir={out}",
+               *(f"--{k}={v}" for k, v in settings.items() if v is not None)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=_subprocess_env(), cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and process.poll() is None:
+            metrics = out / "metrics.jsonl"
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.2)
+        assert process.poll() is None, process.communicate()
+        process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, stderr
+    assert "SIGTERM received: finishing this step, saving a checkpoint" in stderr
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    assert f"stopped by SIGTERM after step {last} of 500" in stdout
+    assert steps_of(out) == [last] and 2 <= last < 500
+    assert not (out / "artifact").exists()
+    result = run(toy, out, resume="latest", save_every=0, max_steps=last + 2)
+    assert result["step"] == last + 2
+
+
+# ------------------------------------------------------------------------------------------------
+# Two processes
+
+
+def test_two_processes_match_one_with_the_same_global_batch(toy, tmp_path):
+    """torchrun, 2 CPU processes (gloo) x 2 rows x 2 micro-batches == 1 process x 4 x 2; only the
+    head is wrapped in DDP; a checkpoint of the 2-process run resumes on 1 process."""
+    common = dict(max_steps=4, head_dropout=0.0, head_noise=0.0)
+    two = tmp_path / "two"
+    args = [f"--{k}={v}" for k, v in {**BASE, **common}.items() if v is not None]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", "2", str(TOY), *args, "--per_device_batch_size=2",
+               f"--output_dir={two}", f"--report={tmp_path / 'report.json'}"]
+    done = subprocess.run(command, capture_output=True, text=True, env=_subprocess_env(),
+                          cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["num_processes"] == 2 and report["step"] == 4
+    assert report["prepared_head"] == "DistributedDataParallel"
+    assert report["registered_models"] == ["ToyHead"]  # the target was never prepared
+    assert report["target_model_type"] == "LlamaForCausalLM"
+    assert not report["target_requires_grad"] and not report["target_training"]
+    assert report["target_unchanged"]
+
+    one = run(toy, tmp_path / "one", **common, report=str(tmp_path / "report1.json"))
+    assert json.loads((tmp_path / "report1.json").read_text())["prepared_head"] == "ToyHead"
+    expected = train_records(tmp_path / "one")
+    got = train_records(two)
+    assert [r["samples"] for r in got] == [r["samples"] for r in expected] == [8, 16, 24, 32]
+    for a, b in zip(expected, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["accuracy"] == pytest.approx(a["accuracy"], abs=1e-9)
+    # Adam divides by sqrt(v): a weight whose gradient is float noise may move by ~lr either way,
+    # so the weights are compared more loosely than the losses
+    artifact = load_file(str(two / "artifact" / "model.safetensors"))
+    for name, tensor in one["weights"].items():
+        torch.testing.assert_close(artifact[name], tensor, rtol=1e-3, atol=1e-4)
+
+    # step_2 of the 2-process run, resumed by 1 process with the same global batch
+    resumed = run(toy, tmp_path / "resumed", **common,
+                  resume=str(two / "checkpoints" / "step_2"))
+    for a, b in zip(expected[2:], train_records(tmp_path / "resumed")):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    torch.testing.assert_close(resumed["weights"]["proj.weight"], one["weights"]["proj.weight"],
+                               rtol=1e-3, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------
+# Data order, learning rate, optimizer, accelerator
+
+
+def test_epoch_sampler_orders_epochs_and_resumes_mid_epoch():
+    sampler = EpochSampler(num_rows=20, samples_per_step=8, seed=3)
+    assert sampler.steps_per_epoch == 2 and sampler.samples_per_epoch == 16 and len(sampler) == 16
+    epochs = []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        epochs.append(list(sampler))
+        assert len(set(epochs[-1])) == 16 and set(epochs[-1]) <= set(range(20))
+    assert epochs[0] != epochs[1] != epochs[2]
+    assert epochs == [EpochSampler(20, 8, seed=3).order(e) for e in range(3)]  # reproducible
+    assert EpochSampler(20, 8, seed=4).order(0) != epochs[0]
+    sampler.start_at(3)  # 3 steps done: epoch 1, its first 8 samples used
+    sampler.set_epoch(1)
+    assert list(sampler) == epochs[1][8:] and len(sampler) == 8
+    sampler.set_epoch(2)
+    assert list(sampler) == epochs[2]
+    assert list(EpochSampler(20, 8, seed=3, shuffle=False)) == list(range(16))
+    with pytest.raises(ValueError, match="20 rows, fewer than one global batch of 32"):
+        EpochSampler(20, 32, seed=0)
+
+
+def test_dataloader_keeps_its_sampler_through_prepare(toy, tmp_path):
+    cfg = config_from_dict(toy.ToyConfig, {**BASE, "output_dir": str(tmp_path)})
+    accelerator = make_accelerator(cfg)
+    loader = make_train_dataloader(toy.synthetic_rows(20, 16), cfg, accelerator, list)
+    sampler = epoch_sampler(loader)
+    assert epoch_sampler(accelerator.prepare(loader)) is sampler
+    assert sampler.samples_per_step == 8
+    with pytest.raises(ValueError, match="make_train_dataloader"):
+        epoch_sampler(DataLoader(list(range(10))))
+
+
+def test_learning_rate_schedules():
+    cfg = TrainConfig(learning_rate=1.0, warmup_steps=2, min_lr_ratio=0.1, lr_schedule="cosine")
+    assert [learning_rate(cfg, s, 12) for s in (0, 1, 2)] == [0.5, 1.0, 1.0]
+    assert learning_rate(cfg, 7, 12) == pytest.approx(0.55)  # halfway through the decay
+    assert learning_rate(cfg, 12, 12) == pytest.approx(0.1)
+    assert learning_rate(cfg, 99, 12) == pytest.approx(0.1)
+    linear = TrainConfig(learning_rate=1.0, warmup_steps=0, min_lr_ratio=0.0, lr_schedule="linear")
+    assert [learning_rate(linear, s, 4) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
+    constant = TrainConfig(learning_rate=0.3, warmup_steps=0, lr_schedule="constant")
+    assert learning_rate(constant, 50, 10) == 0.3
+    assert planned_steps(TrainConfig(max_steps=100, num_epochs=2), 3) == 6
+    assert planned_steps(TrainConfig(max_steps=5, num_epochs=2), 3) == 5
+    assert planned_steps(TrainConfig(max_steps=None, num_epochs=3), 3) == 9
+
+
+def test_optimizer_decays_matrices_only_and_needs_trainable_parameters():
+    cfg = TrainConfig(weight_decay=0.1)
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    groups = make_optimizer(model, cfg).param_groups
+    assert [(len(g["params"]), g["weight_decay"]) for g in groups] == [(1, 0.1), (3, 0.0)]
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters.*not the frozen target"):
+        make_optimizer(frozen, cfg)
+
+
+def test_mixed_precision_and_cpu_launch_detection(monkeypatch):
+    assert resolve_mixed_precision("bf16") == "bf16" and resolve_mixed_precision("no") == "no"
+    assert resolve_mixed_precision("auto", cpu=True) == "no"
+    if not torch.cuda.is_available():
+        assert resolve_mixed_precision("auto") == "no"
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+        assert not launched_on_cpu()
+        monkeypatch.setenv("LOCAL_RANK", "0")  # what torchrun sets
+        assert launched_on_cpu()
+
+
+# ------------------------------------------------------------------------------------------------
+# TrainConfig
+
+
+def test_train_config_subclass_parses_and_validates(toy, tmp_path):
+    path = tmp_path / "toy.yaml"
+    path.write_text(yaml.safe_dump({"learning_rate": 1e-3, "data": ["a.jsonl", "b.json"],
+                                    "head_dropout": 0.2, "resume": "latest"}))
+    cfg = parse_config(toy.ToyConfig, ["--config", str(path), "--head_dropout", "0.3",
+                                       "--max_steps", "none", "--num_epochs", "2"])
+    assert (cfg.learning_rate, cfg.data, cfg.head_dropout) == (1e-3, ["a.jsonl", "b.json"], 0.3)
+    assert cfg.max_steps is None and cfg.num_epochs == 2 and cfg.resume == "latest"
+    with pytest.raises(ValueError, match="unknown config key 'head_dropuot'.*'head_dropout'"):
+        parse_config(toy.ToyConfig, ["--head_dropuot", "0.3"])
+    assert TrainConfig().data is not TrainConfig().data  # list defaults are not shared
+    for bad, pattern in [
+        (dict(per_device_batch_size=0), r"'per_device_batch_size' must be >= 1, got 0"),
+        (dict(max_steps=None, num_epochs=None), r"'max_steps' and 'num_epochs' are both none"),
+        (dict(min_lr_ratio=1.5), r"'min_lr_ratio' must be in \[0, 1\]"),
+        (dict(learning_rate=0.0), r"'learning_rate' must be > 0"),
+        (dict(keep_checkpoints=0), r"'keep_checkpoints' must be >= 1"),
+        (dict(resume=" "), r"'resume' is empty"),
+    ]:
+        with pytest.raises(ValueError, match=pattern):
+            TrainConfig(**bad)
+    may_change = may_change_on_resume(toy.ToyConfig)
+    assert {"max_steps", "log_every", "save_every", "eval_every", "report_to", "resume",
+            "output_dir", "stop_after"} <= set(may_change)
+    assert not {"learning_rate", "seed", "target", "data", "head_dropout"} & set(may_change)
+
+
+# ------------------------------------------------------------------------------------------------
+# accelerate configs
+
+
+def _launch_args(path: Path):
+    parser = launch_command_parser()
+    known = {action.dest for action in parser._actions}
+    args = parser.parse_args(["--config_file", str(path), "train/eagle.py"])
+    args, defaults, _ = _validate_launch_command(args)
+    return args, defaults, known
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("cpu_ddp", DistributedType.MULTI_CPU), ("multi_gpu", DistributedType.MULTI_GPU),
+    ("fsdp", DistributedType.FSDP), ("deepspeed_zero2", DistributedType.DEEPSPEED),
+])
+def test_accelerate_configs_load_and_configure_their_plugins(name, kind, monkeypatch):
+    path = ACCELERATE_CONFIGS / f"{name}.yaml"
+    config = load_config_from_file(str(path))
+    assert isinstance(config, ClusterConfig) and config.distributed_type == kind
+    args, defaults, known = _launch_args(path)
+    for key in list(defaults.fsdp_config) + list(defaults.deepspeed_config):
+        assert key in known, f"{name}.yaml: accelerate launch has no option {key!r}"
+    if kind == DistributedType.MULTI_CPU:
+        assert config.use_cpu and config.mixed_precision == "no"
+    else:
+        assert args.mixed_precision == "bf16"
+    if kind == DistributedType.MULTI_GPU:
+        assert args.multi_gpu and prepare_multi_gpu_env(args)["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    if kind == DistributedType.FSDP:
+        for key, value in prepare_multi_gpu_env(args).items():
+            monkeypatch.setenv(key, value)
+        plugin = FullyShardedDataParallelPlugin()
+        assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+        assert plugin.auto_wrap_policy.__name__ == "transformer_auto_wrap_policy"
+        assert plugin.state_dict_type.name == "SHARDED_STATE_DICT"
+    if kind == DistributedType.DEEPSPEED:
+        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
+        for key, value in prepare_deepspeed_cmd_env(args)[1].items():
+            monkeypatch.setenv(key, value)
+        ds = DeepSpeedPlugin().deepspeed_config
+        assert ds["zero_optimization"]["stage"] == 2
+        # left to the training config: make_accelerator fills them in
+        assert ds["gradient_accumulation_steps"] == "auto" and ds["gradient_clipping"] == "auto"
+
+
+def test_checkpoint_state_file_name_is_the_completion_mark(tmp_path):
+    (tmp_path / "step_3").mkdir()
+    assert latest_checkpoint(tmp_path) is None
+    (tmp_path / "step_3" / STATE_FILE).write_text(json.dumps({"step": 3}))
+    (tmp_path / "step_10").mkdir()
+    (tmp_path / "step_10" / STATE_FILE).write_text(json.dumps({"step": 10}))
+    (tmp_path / "step_x").mkdir()
+    assert list_checkpoints(tmp_path) == [tmp_path / "step_3", tmp_path / "step_10"]
+    (tmp_path / "step_11").mkdir()
+    (tmp_path / "step_11" / STATE_FILE).write_text(json.dumps({"step": 11, "format_version": 9}))
+    with pytest.raises(ValueError, match="newer draftsmith"):
+        read_checkpoint_state(tmp_path / "step_11")

@@ -1,0 +1,255 @@
+"""Training metrics: ``metrics.jsonl``, accelerate's trackers (W&B), a progress bar, acceptance.
+
+``<output_dir>/metrics.jsonl`` holds one JSON object per logged step, written by the main
+process and flushed line by line, e.g.::
+
+    {"step": 20, "loss": 2.31, "accuracy": 0.41, "lr": 0.0003, "tokens_per_s": 5120.4,
+     "epoch": 0.12, "samples": 640}
+    {"step": 500, "eval/tau": 2.7, "eval/alpha": 0.62, "eval/alpha_depth_1": 0.8, ...}
+
+The same records go to the trackers accelerate was given (``report_to: wandb``; the W&B run
+lives in ``<output_dir>/wandb`` and is offline unless ``WANDB_MODE`` says otherwise, so nothing
+leaves the machine by default). A resumed run first drops the lines past its checkpoint's step,
+so the file tells one consistent history.
+
+Values are accumulated as detached tensors on the device; ``.item()`` (one all-reduce and one
+host sync) happens only on logging steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from tqdm.auto import tqdm
+
+from eval.engine import measure_acceptance
+from eval.prompts import read_prompts
+from eval.proposers import Proposer
+from eval.sampling import SamplingParams
+from train.checkpoints import TrainState
+from train.config import config_to_dict
+
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def wandb_mode() -> str:
+    """``$WANDB_MODE`` when the user set it (online, offline, disabled), else offline."""
+    return os.environ.get("WANDB_MODE") or "offline"
+
+
+def rewind_jsonl(path: Path, step: int) -> None:
+    """Keep the records of ``path`` up to ``step`` (a resumed run rewrites what follows).
+
+    A half-written last line (a crash mid-write) is dropped too. Rewritten atomically.
+    """
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) \
+                and record["step"] <= step:
+            kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class MetricsLogger:
+    """Accumulates per-step metrics and writes them every ``log_every`` optimizer steps.
+
+    In the loop: ``add(name, total, count)`` for every quantity (the logged value is
+    sum(total) / sum(count) over the steps since the last log and over all processes: a mean
+    loss per micro-batch is ``add("loss", loss.detach())``, a token accuracy
+    ``add("accuracy", correct.sum(), mask.sum())``), ``count_tokens(n)`` for tokens/s, then
+    ``step(state, lr=lr)`` once after each optimizer step on every process. Every process must
+    add the same names. Build it after ``Checkpointer.resume()``.
+    """
+
+    def __init__(self, accelerator: Accelerator, cfg, state: TrainState):
+        self.accelerator = accelerator
+        self.every = cfg.log_every
+        self.path = Path(cfg.output_dir) / "metrics.jsonl"
+        self.is_main = accelerator.is_main_process
+        self.device = accelerator.device
+        # float64 sums: many steps of small values, and counts past 2**24 tokens
+        self.dtype = torch.float32 if self.device.type == "mps" else torch.float64
+        self._sums: dict[str, list[torch.Tensor]] = {}
+        self._tokens = torch.zeros((), dtype=self.dtype, device=self.device)
+        self._window_start = time.perf_counter()
+        self._paused = 0.0
+        self._file = None
+        if self.is_main:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            rewind_jsonl(self.path, state.step)
+            self._file = open(self.path, "a", encoding="utf-8")
+        if cfg.report_to == "wandb":
+            output_dir = Path(cfg.output_dir).resolve()
+            accelerator.init_trackers(cfg.wandb_project, config=config_to_dict(cfg), init_kwargs={
+                "wandb": {"name": cfg.run_name or output_dir.name, "dir": str(output_dir),
+                          "id": state.wandb_run_id, "resume": "allow", "mode": wandb_mode()},
+            })
+        self.bar = tqdm(total=state.total_steps, initial=state.step, desc="training", unit="step",
+                        disable=not self.is_main, dynamic_ncols=True)
+
+    def add(self, name: str, total, count=1) -> None:
+        """Add ``total`` over ``count`` items to metric ``name`` (tensors stay on the device)."""
+        sums = self._sums.get(name)
+        if sums is None:
+            sums = self._sums[name] = [torch.zeros((), dtype=self.dtype, device=self.device),
+                                       torch.zeros((), dtype=self.dtype, device=self.device)]
+        sums[0] += torch.as_tensor(total).detach().to(self.device, self.dtype).sum()
+        sums[1] += torch.as_tensor(count).detach().to(self.device, self.dtype).sum()
+
+    def count_tokens(self, n) -> None:
+        """Tokens this process processed (e.g. ``attention_mask.sum()``), for tokens/s."""
+        self._tokens += torch.as_tensor(n).detach().to(self.device, self.dtype).sum()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent inside (evaluation, say) does not count against tokens/s."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused += time.perf_counter() - started
+
+    def step(self, state: TrainState, force: bool = False, **scalars) -> dict | None:
+        """After each optimizer step, on every process. On logging steps (every ``log_every``,
+        or ``force``) reduces across processes, writes and returns the record; else None.
+
+        ``scalars`` (say ``lr=...``) are logged as given, from the main process.
+        """
+        self.bar.update(1)
+        if not force and state.step % self.every:
+            return None
+        names = sorted(self._sums)
+        local = torch.stack([self._sums[n][0] for n in names] + [self._sums[n][1] for n in names]
+                            + [self._tokens])
+        if self.accelerator.num_processes > 1:
+            local = self.accelerator.reduce(local, reduction="sum")
+        values = local.tolist()
+        elapsed = time.perf_counter() - self._window_start - self._paused
+        record: dict = {"step": state.step}
+        for i, name in enumerate(names):
+            count = values[len(names) + i]
+            record[name] = values[i] / count if count else None
+        if values[-1] and elapsed > 0:
+            record["tokens_per_s"] = values[-1] / elapsed
+        record.update({k: float(v) if isinstance(v, torch.Tensor) else v
+                       for k, v in scalars.items()})
+        record["epoch"] = round(state.epoch, 6)
+        record["samples"] = state.samples_seen
+        self._sums = {}
+        self._tokens = torch.zeros((), dtype=self.dtype, device=self.device)
+        self._window_start, self._paused = time.perf_counter(), 0.0
+        self.log(record)
+        if self.is_main:
+            shown = {k: f"{record[k]:.4g}" for k in ("loss", "accuracy") if record.get(k) is not None}
+            if "tokens_per_s" in record:
+                shown["tok/s"] = f"{record['tokens_per_s']:.0f}"
+            self.bar.set_postfix(shown, refresh=False)
+        return record
+
+    def log(self, record: dict) -> None:
+        """Write one record (it must hold ``step``) to metrics.jsonl and the trackers (main only)."""
+        if not self.is_main:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        values = {k: v for k, v in record.items() if k != "step" and v is not None}
+        self.accelerator.log(values, step=record["step"])
+
+    def close(self) -> None:
+        self.bar.close()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def resolve_prompts_file(name: str) -> Path:
+    """A prompts file as given, else relative to the repository (the bundled data/eval files)."""
+    for candidate in (Path(name).expanduser(), _REPO / name):
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"eval_prompts file not found: {name} (looked in the current "
+                            f"directory and in {_REPO}); give an existing file or set eval_every 0")
+
+
+class AcceptanceEval:
+    """Acceptance of the draft being trained, measured by the speculative engine as it trains.
+
+    Every ``eval_every`` optimizer steps and at the end, the main process builds a proposer from
+    the current (unwrapped, eval-mode) head with ``make_proposer(head)`` and runs
+    :func:`eval.engine.measure_acceptance` on ``eval_num_prompts`` prompts of ``eval_prompts``
+    (chat template applied by the target); tau, alpha and alpha per depth go to ``metrics``.
+    The other processes wait. The global random state is restored afterwards, so an evaluation
+    never changes the training that follows (resumed runs stay exact).
+    """
+
+    def __init__(self, accelerator: Accelerator, cfg, target, make_proposer: Callable[..., Proposer],
+                 metrics: MetricsLogger):
+        self.accelerator = accelerator
+        self.cfg = cfg
+        self.target = target
+        self.make_proposer = make_proposer
+        self.metrics = metrics
+        self.every = cfg.eval_every
+        self.prompts: list[list[int]] = []
+        if not self.every:
+            return
+        if accelerator.distributed_type == DistributedType.FSDP:
+            raise ValueError("eval_every > 0 under FSDP: the head is sharded across processes, "
+                             "so the main process cannot run it alone; set eval_every 0 and "
+                             "measure the exported artifact with python -m eval.bench")
+        # every process reads the file, so that a bad one fails everywhere instead of hanging
+        texts = read_prompts(resolve_prompts_file(cfg.eval_prompts), limit=cfg.eval_num_prompts)
+        self.prompts = [target.chat_ids(text) for text in texts]
+        self.params = SamplingParams(temperature=cfg.eval_temperature)
+
+    def due(self, state: TrainState) -> bool:
+        return bool(self.every) and (state.step % self.every == 0 or state.done)
+
+    def maybe_run(self, state: TrainState, head, force: bool = False) -> dict | None:
+        """Evaluate when due (or ``force``); every process calls it. Returns the record (main)."""
+        if not self.every or not (force or self.due(state)):
+            return None
+        accelerator = self.accelerator
+        accelerator.wait_for_everyone()
+        record = None
+        if accelerator.is_main_process:
+            rng_devices = [accelerator.device] if accelerator.device.type == "cuda" else []
+            module = accelerator.unwrap_model(head)
+            was_training = module.training
+            started = time.perf_counter()
+            with (self.metrics.paused(), torch.random.fork_rng(devices=rng_devices),
+                  torch.no_grad(), accelerator.autocast()):
+                module.eval()
+                try:
+                    result = measure_acceptance(
+                        self.target, self.make_proposer(module), self.prompts,
+                        max_new_tokens=self.cfg.eval_max_new_tokens, params=self.params,
+                        seed=self.cfg.seed)
+                finally:
+                    module.train(was_training)
+            record = {"step": state.step, "eval/tau": result["tau"], "eval/alpha": result["alpha"]}
+            for depth, alpha in enumerate(result["alpha_per_depth"], start=1):
+                record[f"eval/alpha_depth_{depth}"] = alpha
+            record["eval/seconds"] = round(time.perf_counter() - started, 3)
+            self.metrics.log(record)
+            tau = "n/a" if result["tau"] is None else f"{result['tau']:.3f}"
+            self.metrics.bar.write(f"[draftsmith] step {state.step}: acceptance tau {tau} on "
+                                   f"{len(self.prompts)} prompts")
+        accelerator.wait_for_everyone()
+        return record
