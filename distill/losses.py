@@ -49,29 +49,31 @@ REDUCTIONS = ("mean", "sum")
 # ---------------------------------------------------------------------------------------------
 # Per-position kernels. Each takes (draft_logprobs, target_logprobs), both (n, vocab) float32
 # log-softmaxes, and returns (loss (n,), weighted) where weighted = draft_probs * dL/d draft_probs,
-# up to a per-row multiple of draft_probs (which the softmax Jacobian cancels). The gradient with
-# respect to the scaled logits is then weighted - draft_probs * weighted.sum(-1).
+# up to a per-row multiple of draft_probs (which the softmax Jacobian cancels), or None when
+# with_grad is False. The gradient with respect to the scaled logits is then
+# weighted - draft_probs * weighted.sum(-1).
 # ---------------------------------------------------------------------------------------------
 
 
 def _kl_terms(probs: torch.Tensor, logprobs: torch.Tensor, other_logprobs: torch.Tensor):
     """probs * (logprobs - other_logprobs), 0 where probs == 0 (so 0 * log 0 never becomes nan)."""
-    return torch.where(probs > 0, probs * (logprobs - other_logprobs), torch.zeros_like(probs))
+    terms = (logprobs - other_logprobs).mul_(probs)
+    return terms.masked_fill_(probs == 0, 0.0)
 
 
-def _forward_kl_kernel(draft_logprobs, target_logprobs):
+def _forward_kl_kernel(draft_logprobs, target_logprobs, with_grad):
     target_probs = target_logprobs.exp()
     loss = _kl_terms(target_probs, target_logprobs, draft_logprobs).sum(-1)
-    return loss, -target_probs
+    return loss, (target_probs.neg_() if with_grad else None)
 
 
-def _reverse_kl_kernel(draft_logprobs, target_logprobs):
+def _reverse_kl_kernel(draft_logprobs, target_logprobs, with_grad):
     # dL/d draft_probs = log draft - log target + 1; the "+ 1" is a multiple of draft_probs
     weighted = _kl_terms(draft_logprobs.exp(), draft_logprobs, target_logprobs)
-    return weighted.sum(-1), weighted
+    return weighted.sum(-1), (weighted if with_grad else None)
 
 
-def _jsd_kernel(draft_logprobs, target_logprobs, beta: float):
+def _jsd_kernel(draft_logprobs, target_logprobs, with_grad, beta: float):
     # log of the mixture beta * target + (1 - beta) * draft, without leaving log space
     mix_logprobs = torch.logaddexp(target_logprobs + math.log(beta),
                                    draft_logprobs + math.log1p(-beta))
@@ -79,13 +81,14 @@ def _jsd_kernel(draft_logprobs, target_logprobs, beta: float):
     draft_part = _kl_terms(draft_logprobs.exp(), draft_logprobs, mix_logprobs)
     loss = beta * target_part.sum(-1) + (1.0 - beta) * draft_part.sum(-1)
     # dL/d draft_probs = (1 - beta) * (log draft - log mix): the target-side terms cancel
-    return loss, (1.0 - beta) * draft_part
+    return loss, (draft_part.mul_(1.0 - beta) if with_grad else None)
 
 
-def _tvd_kernel(draft_logprobs, target_logprobs):
+def _tvd_kernel(draft_logprobs, target_logprobs, with_grad):
     draft_probs = draft_logprobs.exp()
     diff = draft_probs - target_logprobs.exp()
-    return 0.5 * diff.abs().sum(-1), 0.5 * draft_probs * diff.sign()
+    loss = 0.5 * diff.abs().sum(-1)
+    return loss, (draft_probs.mul_(diff.sign_()).mul_(0.5) if with_grad else None)
 
 
 def _kernel_for(name: str, beta: float):
@@ -94,7 +97,7 @@ def _kernel_for(name: str, beta: float):
     if name == "reverse_kl" or (name == "jsd" and beta == 1.0):
         return _reverse_kl_kernel
     if name == "jsd":
-        return lambda d, t: _jsd_kernel(d, t, beta)
+        return lambda d, t, with_grad: _jsd_kernel(d, t, with_grad, beta)
     if name == "tvd":
         return _tvd_kernel
     raise ValueError(f"unknown divergence {name!r}; expected one of {DIVERGENCES}")
@@ -137,7 +140,8 @@ def _divergence_sum(kernel, draft_logits, target_logits, rows, count, temperatur
     for _, index in _chunks(rows, count, chunk_size):
         draft_logprobs, target_logprobs = _chunk_logprobs(draft_logits, target_logits, index,
                                                           temperature)
-        loss, weighted = kernel(draft_logprobs, target_logprobs)  # (n,), (n, vocab)
+        # (n,), (n, vocab) or None
+        loss, weighted = kernel(draft_logprobs, target_logprobs, grad_out is not None)
         total += loss.sum(dtype=torch.float64)
         if grad_out is not None:
             draft_probs = draft_logprobs.exp_()  # the chunk's log-probs are not needed any more

@@ -43,28 +43,39 @@ class EagleProposer(Proposer):
 
     name = "eagle"
 
-    def __init__(self, head: EagleHead, depth: int = DEFAULT_DEPTH, topk: int = DEFAULT_TOPK,
-                 total_tokens: int = DEFAULT_TOTAL_TOKENS, name: str = "eagle"):
+    def __init__(
+        self,
+        head: EagleHead,
+        depth: int = DEFAULT_DEPTH,
+        topk: int = DEFAULT_TOPK,
+        total_tokens: int = DEFAULT_TOTAL_TOKENS,
+        name: str = "eagle",
+    ):
         if depth < 1 or topk < 1 or total_tokens < 1:
             raise ValueError(
                 f"depth, topk and total_tokens must be >= 1, got {depth}, {topk}, {total_tokens}"
             )
-        self.head = head.eval()
+        self.head = head  # its train/eval mode is left alone (trainers measure acceptance mid-run)
         self.depth, self.topk, self.total_tokens = depth, topk, total_tokens
         self.name = name
         self.hidden_layers = tuple(head.config.aux_layer_ids)
 
     @classmethod
     def from_artifact(cls, path: str | os.PathLike, target: Target, args=None) -> EagleProposer:
-        """Load an eagle1/eagle3 artifact; ``args.tree_depth/tree_topk/tree_nodes`` (None = default)."""
-        head = load_eagle(path, target)
+        """Load an eagle1/eagle3 artifact; args.tree_depth/tree_topk/tree_nodes None = default."""
+        head = load_eagle(path, target).eval()
 
         def pick(attr, default):
             value = getattr(args, attr, None) if args is not None else None
             return default if value is None else int(value)
 
-        return cls(head, depth=pick("tree_depth", DEFAULT_DEPTH), topk=pick("tree_topk", DEFAULT_TOPK),
-                   total_tokens=pick("tree_nodes", DEFAULT_TOTAL_TOKENS), name=f"eagle:{path}")
+        return cls(
+            head,
+            depth=pick("tree_depth", DEFAULT_DEPTH),
+            topk=pick("tree_topk", DEFAULT_TOPK),
+            total_tokens=pick("tree_nodes", DEFAULT_TOTAL_TOKENS),
+            name=f"eagle:{path}",
+        )
 
     # -- cache bookkeeping -----------------------------------------------------------------------
 
@@ -80,8 +91,10 @@ class EagleProposer(Proposer):
     @torch.no_grad()
     def _fuse(self, hidden) -> torch.Tensor:
         if not hidden:
-            raise ValueError("EagleProposer needs the target's hidden states; run it through "
-                             "SpeculativeEngine, which collects proposer.hidden_layers")
+            raise ValueError(
+                "EagleProposer needs the target's hidden states; run it through "
+                "SpeculativeEngine, which collects proposer.hidden_layers"
+            )
         return self.head.fuse(torch.cat(list(hidden), dim=-1))
 
     @torch.no_grad()
@@ -91,7 +104,7 @@ class EagleProposer(Proposer):
         if n <= 0:
             return
         head = self.head
-        ids = torch.tensor([seq[self.cached + 1: self.cached + 1 + n]], device=head.device)
+        ids = torch.tensor([seq[self.cached + 1 : self.cached + 1 + n]], device=head.device)
         positions = torch.arange(self.cached, self.cached + n, device=head.device)[None]
         mask = causal_mask(n, self.cached, head.dtype, head.device)
         out, logits = head(ids, self.pending[:, :n], positions, mask, self.cache, logits_to_keep=1)

@@ -143,6 +143,8 @@ def measure_verify_cost(target: Target, sizes=(1, 2, 4, 8, 16, 32, 64), context:
     positions for n > 1, the final hidden state collected, the cache cropped back afterwards.
     """
     sizes = sorted({int(n) for n in sizes})
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     if not sizes or sizes[0] < 1:
         raise ValueError(f"sizes must be token counts >= 1, got {sizes}")
     if context < 1 or context + sizes[-1] > target.max_context:
@@ -153,12 +155,11 @@ def measure_verify_cost(target: Target, sizes=(1, 2, 4, 8, 16, 32, 64), context:
     ids = torch.randint(0, target.vocab_size, (1, context + sizes[-1]), generator=gen)
     cache = new_cache(model)
     model(input_ids=ids[:, :context].to(device), cache=cache, use_cache=True, logits_to_keep=1)
-    layers = target.num_layers
-    out: dict[int, float] = {}
+    calls = {}
     for n in sizes:
         kwargs = {}
         if n > 1:
-            # a two-level tree: the mask's content does not change the cost, its shape does
+            # a binary tree under the root: the mask's shape sets the cost, not its pattern
             tree = DraftTree([0] * (n - 1), [0] + [1 + i // 2 for i in range(n - 2)])
             mask = torch.full((1, 1, n, context + n), torch.finfo(dtype).min, dtype=dtype)
             mask[..., :context] = 0
@@ -166,25 +167,30 @@ def measure_verify_cost(target: Target, sizes=(1, 2, 4, 8, 16, 32, 64), context:
             kwargs["attention_mask"] = mask.to(device)
             kwargs["position_ids"] = torch.tensor([[context + d for d in tree.depths]],
                                                   device=device)
-        block = ids[:, context:context + n].to(device)
-        times = []
-        for _ in range(repeats + 1):
+        calls[n] = (ids[:, context:context + n].to(device), kwargs)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    # sizes interleaved within each repeat, so drifting machine load hits them alike; the first
+    # repeat pays for warm-up and is dropped
+    for _ in range(repeats + 1):
+        for n in sizes:
+            block, kwargs = calls[n]
             _sync(device)
             start = time.perf_counter()
-            o = model(input_ids=block, cache=cache, use_cache=True, output_hidden_states=True,
-                      **kwargs)
-            o.hidden_states[layers].sum().item()
+            out = model(input_ids=block, cache=cache, use_cache=True, output_hidden_states=True,
+                        **kwargs)
+            out.hidden_states[target.num_layers].sum().item()
             _sync(device)
-            times.append(time.perf_counter() - start)
+            times[n].append(time.perf_counter() - start)
             crop(cache, context)
-        out[n] = statistics.median(times[1:])  # the first call pays for warm-up
-    return out
+    return {n: statistics.median(t[1:]) for n, t in times.items()}
 
 
 @torch.no_grad()
 def measure_head_cost(heads: MedusaHeads, depth: int | None = None, topk: int = 10,
                       repeats: int = 20) -> float:
     """Median seconds for the heads' proposal of one round: ``depth`` heads on h_t, then top-k."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     depth = heads.num_heads if depth is None else min(depth, heads.num_heads)
     param = next(heads.parameters(), None)
     weight = heads.lm_head_weight(0)

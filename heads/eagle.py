@@ -39,10 +39,12 @@ Training API (what ``train/eagle.py`` calls)::
     d2t, t2d = build_draft_vocab(count_tokens(ds["input_ids"], target.vocab_size,
                                               ds["loss_mask"]), cfg.draft_vocab_size)
     head = EagleHead(cfg, target, d2t=d2t, t2d=t2d, dtype=torch.float32)
+    step = accelerator.prepare(EagleLoss(head, steps=7))       # one forward per training step
     batch = collate_causal_lm(rows, pad_id)                               # right-padded
     batch.update(target_features(target, batch["input_ids"], batch["attention_mask"], cfg))
-    loss, metrics = eagle_loss(head, batch)        # metrics: 0-dim detached tensors
-    save_eagle(head, out / "artifact", target); head = load_eagle(out / "artifact", target)
+    loss, metrics = step(batch)        # = eagle_loss(head, batch); metrics: 0-dim detached tensors
+    save_eagle(accelerator.unwrap_model(step).head, out / "artifact", target)
+    head = load_eagle(out / "artifact", target)
 
 Offline mode replaces ``target_features`` by the cache in ``train/eagle_features.py``, whose
 batches carry the same keys and tensors.
@@ -72,8 +74,15 @@ DEFAULT_TTT_STEPS = 7
 DEFAULT_STEP_DECAY = 0.8
 DEFAULT_CE_WEIGHT = 0.1
 # keys of the target's config dict that describe its checkpoint, not the layer
-_CONFIG_NOISE = ("_name_or_path", "_model_name_or_path", "transformers_version", "id2label",
-                 "label2id", "dtype", "torch_dtype")
+_CONFIG_NOISE = (
+    "_name_or_path",
+    "_model_name_or_path",
+    "transformers_version",
+    "id2label",
+    "label2id",
+    "dtype",
+    "torch_dtype",
+)
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -83,7 +92,11 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
 
 def _check_aux_ids(aux: Sequence[int], num_layers: int) -> tuple[int, ...]:
     aux = tuple(int(i) for i in aux)
-    if len(aux) != 3 or not all(1 <= i <= num_layers - 1 for i in aux) or list(aux) != sorted(set(aux)):
+    if (
+        len(aux) != 3
+        or not all(1 <= i <= num_layers - 1 for i in aux)
+        or list(aux) != sorted(set(aux))
+    ):
         raise ValueError(
             f"EAGLE-3 needs three distinct ascending hidden-state indices in 1..{num_layers - 1} "
             f"(inputs of decoder layers, vLLM's convention), got {list(aux)}; for a target with "
@@ -115,7 +128,9 @@ class EagleConfig:
             raise ValueError(f"EAGLE version must be 1 or 3, got {self.version!r}")
         self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
         if self.version == 1 and self.draft_vocab_size != self.vocab_size:
-            raise ValueError("EAGLE-1 uses the target's LM head: draft_vocab_size must equal vocab_size")
+            raise ValueError(
+                "EAGLE-1 uses the target's LM head: draft_vocab_size must equal vocab_size"
+            )
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"draft_vocab_size must be in 1..{self.vocab_size} (the target's vocabulary), "
@@ -139,10 +154,17 @@ class EagleConfig:
         return (*self.aux_layer_ids, self.target_num_layers)
 
     @classmethod
-    def from_target(cls, target: Target, version: int, *, draft_vocab_size: int | None = None,
-                    aux_layer_ids: Sequence[int] | None = None,
-                    intermediate_size: int | None = None, num_attention_heads: int | None = None,
-                    num_key_value_heads: int | None = None) -> EagleConfig:
+    def from_target(
+        cls,
+        target: Target,
+        version: int,
+        *,
+        draft_vocab_size: int | None = None,
+        aux_layer_ids: Sequence[int] | None = None,
+        intermediate_size: int | None = None,
+        num_attention_heads: int | None = None,
+        num_key_value_heads: int | None = None,
+    ) -> EagleConfig:
         """A head shaped like one of the target's layers (sizes may be overridden)."""
         if version not in VERSIONS:
             raise ValueError(f"EAGLE version must be 1 or 3, got {version!r}")
@@ -150,30 +172,45 @@ class EagleConfig:
         L = target.num_layers
         if version == 1:
             if aux_layer_ids not in (None, (L,), [L]):
-                raise ValueError(f"EAGLE-1 reads the final-normed feature (index {L}) only; "
-                                 f"got aux_layer_ids={aux_layer_ids}")
+                raise ValueError(
+                    f"EAGLE-1 reads the final-normed feature (index {L}) only; "
+                    f"got aux_layer_ids={aux_layer_ids}"
+                )
             aux = (L,)
             if draft_vocab_size not in (None, target.vocab_size):
-                raise ValueError("EAGLE-1 has no reduced draft vocabulary; leave draft_vocab_size unset")
+                raise ValueError(
+                    "EAGLE-1 has no reduced draft vocabulary; leave draft_vocab_size unset"
+                )
         else:
-            aux = _check_aux_ids(default_aux_layer_ids(L) if aux_layer_ids is None else aux_layer_ids, L)
+            aux = _check_aux_ids(
+                default_aux_layer_ids(L) if aux_layer_ids is None else aux_layer_ids, L
+            )
         heads = int(num_attention_heads or tc.num_attention_heads)
         kv_heads = int(num_key_value_heads or getattr(tc, "num_key_value_heads", None) or heads)
         head_dim = getattr(tc, "head_dim", None) or target.hidden_size // tc.num_attention_heads
         layer = {k: v for k, v in tc.to_dict().items() if k not in _CONFIG_NOISE}
         layer.update(
-            num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads,
-            head_dim=int(head_dim), intermediate_size=int(intermediate_size or tc.intermediate_size),
+            num_hidden_layers=1,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=int(head_dim),
+            intermediate_size=int(intermediate_size or tc.intermediate_size),
         )
         if isinstance(layer.get("layer_types"), list):
             layer["layer_types"] = layer["layer_types"][:1]
         return cls(
-            version=version, vocab_size=target.vocab_size,
+            version=version,
+            vocab_size=target.vocab_size,
             draft_vocab_size=int(draft_vocab_size or target.vocab_size),
-            hidden_size=target.hidden_size, target_hidden_size=target.hidden_size,
-            aux_layer_ids=aux, num_attention_heads=heads, num_key_value_heads=kv_heads,
-            head_dim=int(head_dim), intermediate_size=int(layer["intermediate_size"]),
-            target_num_layers=L, layer_config=layer,
+            hidden_size=target.hidden_size,
+            target_hidden_size=target.hidden_size,
+            aux_layer_ids=aux,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=int(head_dim),
+            intermediate_size=int(layer["intermediate_size"]),
+            target_num_layers=L,
+            layer_config=layer,
         )
 
     def to_dict(self) -> dict:
@@ -183,7 +220,7 @@ class EagleConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> EagleConfig:
-        """From an artifact's config.json (unknown keys such as ``method`` and ``target`` ignored)."""
+        """From an artifact's config.json (keys such as ``method`` and ``target`` are ignored)."""
         names = {f.name for f in fields(cls)}
         missing = sorted(n for n in names if n not in d)
         if missing:
@@ -204,15 +241,30 @@ def attention_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(allowed, zero, torch.finfo(dtype).min)
 
 
-def causal_mask(q_len: int, past: int, dtype: torch.dtype, device,
-                key_valid: torch.Tensor | None = None) -> torch.Tensor:
-    """(1 or B, 1, q_len, past + q_len) float mask: query j sees keys 0..past + j (and valid keys)."""
+def causal_mask(
+    q_len: int, past: int, dtype: torch.dtype, device, key_valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(1 or B, 1, q_len, past + q_len) float mask: query j sees keys 0..past + j (if valid)."""
     k = torch.arange(past + q_len, device=device)
     q = torch.arange(q_len, device=device) + past
     allowed = (k[None, :] <= q[:, None])[None, None]  # (1, 1, q, k)
     if key_valid is not None:
         allowed = allowed & key_valid.bool()[:, None, None, :]
     return attention_bias(allowed, dtype)
+
+
+class _FrozenParts:
+    """The target's embedding, LM head and rotary module, used by the head by reference.
+
+    Not a Module, so they are never saved with the head, never handed to its optimizer and never
+    wrapped for gradient sync; a deepcopy of the head (e.g. for an EMA) shares them.
+    """
+
+    def __init__(self, embed: nn.Module, lm_head: nn.Module, rotary: nn.Module):
+        self.embed, self.lm_head, self.rotary = embed, lm_head, rotary
+
+    def __deepcopy__(self, memo):
+        return self
 
 
 class EagleHead(nn.Module):
@@ -224,8 +276,14 @@ class EagleHead(nn.Module):
     weights for mixed-precision training).
     """
 
-    def __init__(self, config: EagleConfig, target: Target, d2t: torch.Tensor | None = None,
-                 t2d: torch.Tensor | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        config: EagleConfig,
+        target: Target,
+        d2t: torch.Tensor | None = None,
+        t2d: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self._check_target(config, target)
         self.config = config
@@ -260,14 +318,13 @@ class EagleHead(nn.Module):
             self.register_buffer("t2d", t2d.to(torch.bool).to(target.device))
         rotary = getattr(target.decoder, "rotary_emb", None)
         if rotary is None:
-            raise ValueError(f"{type(target.decoder).__name__} has no rotary_emb; EAGLE heads need "
-                             "a rotary-position decoder")
-        # Frozen parts of the target, used by reference: not submodules, so never saved, never
-        # handed to an optimizer and never wrapped for gradient sync. The head keeps the target's
-        # head_dim and rope settings, so the target's own rotary module gives its exact tables.
-        self.__dict__["rotary_emb"] = rotary
-        self.__dict__["target_embed"] = target.embed
-        self.__dict__["target_lm_head"] = target.lm_head
+            raise ValueError(
+                f"{type(target.decoder).__name__} has no rotary_emb; EAGLE heads need "
+                "a rotary-position decoder"
+            )
+        # The head keeps the target's head_dim and rope settings, so the target's own rotary
+        # module gives it the exact same tables.
+        self.frozen = _FrozenParts(embed=target.embed, lm_head=target.lm_head, rotary=rotary)
         self.to(device=target.device, dtype=dtype or target.dtype)
         if config.version == 3:
             with torch.no_grad():  # the draft vocabulary's rows of the target's LM head
@@ -278,7 +335,10 @@ class EagleHead(nn.Module):
 
     @staticmethod
     def _check_target(config: EagleConfig, target: Target) -> None:
-        if config.vocab_size != target.vocab_size or config.target_hidden_size != target.hidden_size:
+        if (
+            config.vocab_size != target.vocab_size
+            or config.target_hidden_size != target.hidden_size
+        ):
             raise ValueError(
                 f"EAGLE config is for a target with vocab {config.vocab_size} / hidden "
                 f"{config.target_hidden_size}, but {target.name!r} has {target.vocab_size} / "
@@ -298,14 +358,18 @@ class EagleHead(nn.Module):
                     f"a draft vocabulary of {config.draft_vocab_size} < {config.vocab_size} needs "
                     "d2t and t2d: build them with build_draft_vocab(token_counts, n)"
                 )
-            return (torch.zeros(config.vocab_size, dtype=torch.int64),
-                    torch.ones(config.vocab_size, dtype=torch.bool))
+            return (
+                torch.zeros(config.vocab_size, dtype=torch.int64),
+                torch.ones(config.vocab_size, dtype=torch.bool),
+            )
         if d2t is None or t2d is None:
             raise ValueError("give both d2t and t2d (from build_draft_vocab), or neither")
         check_vocab_maps(d2t, t2d, config.vocab_size)
         if d2t.numel() != config.draft_vocab_size:
-            raise ValueError(f"d2t has {d2t.numel()} entries, config.draft_vocab_size is "
-                             f"{config.draft_vocab_size}")
+            raise ValueError(
+                f"d2t has {d2t.numel()} entries, config.draft_vocab_size is "
+                f"{config.draft_vocab_size}"
+            )
         return d2t, t2d
 
     @property
@@ -320,10 +384,6 @@ class EagleHead(nn.Module):
     def device(self) -> torch.device:
         return self.fc.weight.device
 
-    @property
-    def decoder_layer(self) -> nn.Module:
-        return self.layers[0] if self.version == 1 else self.midlayer
-
     def new_cache(self) -> DynamicCache:
         """An empty KV cache for the head's single layer."""
         return DynamicCache(config=self.layer_config)
@@ -331,7 +391,7 @@ class EagleHead(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(B, S) target ids -> (B, S, h) through the target's frozen embedding."""
         with torch.no_grad():
-            return self.target_embed(input_ids).to(self.dtype)
+            return self.frozen.embed(input_ids).to(self.dtype)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Target features -> the head's input feature (B, S, h).
@@ -346,9 +406,15 @@ class EagleHead(nn.Module):
         """Draft-vocabulary ids -> target ids (identity for EAGLE-1)."""
         return draft_ids if self.version == 1 else draft_ids + self.d2t[draft_ids]
 
-    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None = None, cache: DynamicCache | None = None,
-                logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: DynamicCache | None = None,
+        logits_to_keep: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One step of the head over S entries.
 
         input_ids (B, S) target ids; hidden (B, S, h): the fused target feature or the head's own
@@ -361,17 +427,25 @@ class EagleHead(nn.Module):
             past = cache.get_seq_length() if cache is not None else 0
             attention_mask = causal_mask(input_ids.shape[1], past, self.dtype, self.device)
         embeds = self.embed(input_ids)
-        position_embeddings = self.rotary_emb(hidden, position_ids)
-        attn_kwargs = dict(attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                           use_cache=cache is not None, position_embeddings=position_embeddings)
+        position_embeddings = self.frozen.rotary(hidden, position_ids)
+        attn_kwargs = dict(
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=cache is not None,
+            position_embeddings=position_embeddings,
+        )
         if self.version == 1:
             out = self.layers[0](self.fc(torch.cat([embeds, hidden], dim=-1)), **attn_kwargs)
             out = out[0] if isinstance(out, tuple) else out
             kept = out[:, -logits_to_keep:] if logits_to_keep else out
-            logits = self.target_lm_head(kept.to(self.target_lm_head.weight.dtype))
+            lm_head = self.frozen.lm_head
+            logits = lm_head(kept.to(lm_head.weight.dtype))
             return out, logits
         layer = self.midlayer
-        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)  # (B, S, 2h)
+        x = torch.cat(
+            [layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1
+        )  # (B, S, 2h)
         attn_out = layer.self_attn(hidden_states=x, **attn_kwargs)[0]
         out = hidden + attn_out  # the residual stream starts from the un-normed feature
         out = out + layer.mlp(layer.post_attention_layernorm(out))
@@ -383,8 +457,11 @@ class EagleHead(nn.Module):
 # Draft vocabulary
 
 
-def count_tokens(token_ids: Iterable[Sequence[int]], vocab_size: int,
-                 loss_masks: Iterable[Sequence[int]] | None = None) -> torch.Tensor:
+def count_tokens(
+    token_ids: Iterable[Sequence[int]],
+    vocab_size: int,
+    loss_masks: Iterable[Sequence[int]] | None = None,
+) -> torch.Tensor:
     """(vocab,) int64 counts of the tokens the draft must predict (loss_mask == 1 when given)."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     masks = iter(loss_masks) if loss_masks is not None else None
@@ -393,7 +470,9 @@ def count_tokens(token_ids: Iterable[Sequence[int]], vocab_size: int,
         if masks is not None:
             ids_t = ids_t[torch.as_tensor(next(masks), dtype=torch.bool)]
         if ids_t.numel() and (int(ids_t.min()) < 0 or int(ids_t.max()) >= vocab_size):
-            raise ValueError(f"token ids outside 0..{vocab_size - 1}: wrong tokenizer for this target?")
+            raise ValueError(
+                f"token ids outside 0..{vocab_size - 1}: wrong tokenizer for this target?"
+            )
         counts += torch.bincount(ids_t, minlength=vocab_size)
     return counts
 
@@ -420,7 +499,9 @@ def build_draft_vocab(token_counts: torch.Tensor, n: int) -> tuple[torch.Tensor,
 def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int) -> None:
     """Refuse inconsistent maps (a wrong d2t silently destroys acceptance in vLLM)."""
     if d2t.dim() != 1 or t2d.dim() != 1 or t2d.numel() != vocab_size:
-        raise ValueError(f"d2t must be 1-D and t2d 1-D over the {vocab_size}-token target vocabulary")
+        raise ValueError(
+            f"d2t must be 1-D and t2d 1-D over the {vocab_size}-token target vocabulary"
+        )
     target_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t.to(torch.int64)
     if d2t.numel() and (int(target_ids.min()) < 0 or int(target_ids.max()) >= vocab_size):
         raise ValueError("d2t maps draft ids outside the target vocabulary")
@@ -437,29 +518,41 @@ def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int) -> N
 
 
 @torch.no_grad()
-def target_features(target: Target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                    config: EagleConfig) -> dict[str, torch.Tensor]:
+def target_features(
+    target: Target,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    config: EagleConfig,
+) -> dict[str, torch.Tensor]:
     """Online mode: run the frozen target on a batch and take what the loss needs.
 
     -> {"features": (B, S, F), "last_hidden": (B, S, h)}: F = h (EAGLE-1, index L) or 3h (EAGLE-3,
     the aux indices concatenated in ascending order); last_hidden is index L (the target's
     distribution is lm_head(last_hidden)). The LM head itself is not run here.
     """
-    out = target.decoder(input_ids=input_ids, attention_mask=attention_mask,
-                         output_hidden_states=True, use_cache=False)
+    out = target.decoder(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        output_hidden_states=True,
+        use_cache=False,
+    )
     hs = out.hidden_states
     last = hs[target.num_layers]
     if config.version == 1:
         return {"features": last, "last_hidden": last}
-    return {"features": torch.cat([hs[i] for i in config.aux_layer_ids], dim=-1), "last_hidden": last}
+    return {
+        "features": torch.cat([hs[i] for i in config.aux_layer_ids], dim=-1),
+        "last_hidden": last,
+    }
 
 
 def _with_noise(features: torch.Tensor, amount: float, generator) -> torch.Tensor:
     """Uniform noise in [-amount/2, amount/2) on the input features (EAGLE's robustness trick)."""
     if not amount:
         return features
-    noise = torch.rand(features.shape, generator=generator, device=features.device,
-                       dtype=torch.float32)
+    noise = torch.rand(
+        features.shape, generator=generator, device=features.device, dtype=torch.float32
+    )
     return features + ((noise - 0.5) * amount).to(features.dtype)
 
 
@@ -481,10 +574,17 @@ def _anchor_mask(loss_mask: torch.Tensor, step: int) -> torch.Tensor:
     return _shift_left(loss_mask[:, 1:], 1 + step).bool()
 
 
-def eagle1_loss(head: EagleHead, input_ids: torch.Tensor, features: torch.Tensor,
-                loss_mask: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                feature_noise: float = DEFAULT_NOISE[1], ce_weight: float = DEFAULT_CE_WEIGHT,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
+def eagle1_loss(
+    head: EagleHead,
+    input_ids: torch.Tensor,
+    features: torch.Tensor,
+    loss_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    feature_noise: float = DEFAULT_NOISE[1],
+    ce_weight: float = DEFAULT_CE_WEIGHT,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, dict]:
     """EAGLE-1: SmoothL1(next feature) + ce_weight x soft CE against the target's distribution.
 
     input_ids, loss_mask, attention_mask (B, S), right-padded; features (B, S, h) = the target's
@@ -505,18 +605,26 @@ def eagle1_loss(head: EagleHead, input_ids: torch.Tensor, features: torch.Tensor
     with torch.no_grad():
         target_logp = F.log_softmax(_target_logits(head, features[:, 1:]).float(), dim=-1)
     weight = _anchor_mask(loss_mask, 0)
-    feature_loss = _masked_mean(F.smooth_l1_loss(predicted, wanted, reduction="none").mean(-1), weight)
+    feature_loss = _masked_mean(
+        F.smooth_l1_loss(predicted, wanted, reduction="none").mean(-1), weight
+    )
     logp = F.log_softmax(logits.float(), dim=-1)
     ce = _masked_mean(-(target_logp.exp() * logp).sum(-1), weight)
     loss = feature_loss + ce_weight * ce
     acc = _masked_mean((logits.argmax(-1) == target_logp.argmax(-1)).float(), weight)
-    metrics = {"loss": loss.detach(), "feature_loss": feature_loss.detach(), "ce_loss": ce.detach(),
-               "acc_0": acc.detach(), "tokens": weight.sum().detach()}
+    metrics = {
+        "loss": loss.detach(),
+        "feature_loss": feature_loss.detach(),
+        "ce_loss": ce.detach(),
+        "acc_0": acc.detach(),
+        "tokens": weight.sum().detach(),
+    }
     return loss, metrics
 
 
-def ttt_mask(S: int, step: int, dtype: torch.dtype, device,
-             key_valid: torch.Tensor | None = None) -> torch.Tensor:
+def ttt_mask(
+    S: int, step: int, dtype: torch.dtype, device, key_valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """(B or 1, 1, S, (step + 1) S) mask of training-time-test step ``step``.
 
     Anchor t sees the step-0 entries 0..t (real prefix) and its own entries of steps 1..step
@@ -532,11 +640,19 @@ def ttt_mask(S: int, step: int, dtype: torch.dtype, device,
     return attention_bias(torch.cat([first, *([diag] * step)], dim=-1), dtype)
 
 
-def eagle3_loss(head: EagleHead, input_ids: torch.Tensor, features: torch.Tensor,
-                last_hidden: torch.Tensor, loss_mask: torch.Tensor,
-                attention_mask: torch.Tensor | None = None, *, steps: int = DEFAULT_TTT_STEPS,
-                decay: float = DEFAULT_STEP_DECAY, feature_noise: float = DEFAULT_NOISE[3],
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
+def eagle3_loss(
+    head: EagleHead,
+    input_ids: torch.Tensor,
+    features: torch.Tensor,
+    last_hidden: torch.Tensor,
+    loss_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    steps: int = DEFAULT_TTT_STEPS,
+    decay: float = DEFAULT_STEP_DECAY,
+    feature_noise: float = DEFAULT_NOISE[3],
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, dict]:
     """EAGLE-3 training-time test: ``steps`` unrolled steps, soft CE weighted decay^i.
 
     input_ids, loss_mask, attention_mask (B, S), right-padded; features (B, S, 3h) the aux hidden
@@ -575,7 +691,7 @@ def eagle3_loss(head: EagleHead, input_ids: torch.Tensor, features: torch.Tensor
         weight = _anchor_mask(loss_mask, i) & _shift_left(in_vocab, i, False)
         want = _shift_left(target_logp, i)
         ce = _masked_mean(-(want.exp() * F.log_softmax(logits.float(), dim=-1)).sum(-1), weight)
-        loss = loss + (decay ** i) * ce
+        loss = loss + (decay**i) * ce
         acc = _masked_mean((logits.argmax(-1) == want.argmax(-1)).float(), weight)
         metrics[f"ce_loss_{i}"] = ce.detach()
         metrics[f"acc_{i}"] = acc.detach()
@@ -588,30 +704,72 @@ def eagle3_loss(head: EagleHead, input_ids: torch.Tensor, features: torch.Tensor
 
 def _target_logits(head: EagleHead, last_hidden: torch.Tensor) -> torch.Tensor:
     """The target's logits from its final-normed hidden states, through its frozen LM head."""
-    lm_head = head.target_lm_head
+    lm_head = head.frozen.lm_head
     return lm_head(last_hidden.to(lm_head.weight.dtype))
 
 
-def eagle_loss(head: EagleHead, batch: dict, *, steps: int = DEFAULT_TTT_STEPS,
-               decay: float = DEFAULT_STEP_DECAY, feature_noise: float | None = None,
-               ce_weight: float = DEFAULT_CE_WEIGHT,
-               generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
+def eagle_loss(
+    head: EagleHead,
+    batch: dict,
+    *,
+    steps: int = DEFAULT_TTT_STEPS,
+    decay: float = DEFAULT_STEP_DECAY,
+    feature_noise: float | None = None,
+    ce_weight: float = DEFAULT_CE_WEIGHT,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, dict]:
     """The head's loss on a batch with input_ids, attention_mask, loss_mask, features, last_hidden.
 
     ``feature_noise`` None -> the version's default (0.2 for EAGLE-1, 0 for EAGLE-3).
     """
     missing = [k for k in ("input_ids", "loss_mask", "features", "last_hidden") if k not in batch]
     if missing:
-        raise ValueError(f"batch lacks {missing}: add target_features(...) (online) or use the "
-                         "feature cache's collate (offline)")
+        raise ValueError(
+            f"batch lacks {missing}: add target_features(...) (online) or use the "
+            "feature cache's collate (offline)"
+        )
     noise = DEFAULT_NOISE[head.version] if feature_noise is None else feature_noise
     if head.version == 1:
-        return eagle1_loss(head, batch["input_ids"], batch["features"], batch["loss_mask"],
-                           batch.get("attention_mask"), feature_noise=noise, ce_weight=ce_weight,
-                           generator=generator)
-    return eagle3_loss(head, batch["input_ids"], batch["features"], batch["last_hidden"],
-                       batch["loss_mask"], batch.get("attention_mask"), steps=steps, decay=decay,
-                       feature_noise=noise, generator=generator)
+        return eagle1_loss(
+            head,
+            batch["input_ids"],
+            batch["features"],
+            batch["loss_mask"],
+            batch.get("attention_mask"),
+            feature_noise=noise,
+            ce_weight=ce_weight,
+            generator=generator,
+        )
+    return eagle3_loss(
+        head,
+        batch["input_ids"],
+        batch["features"],
+        batch["last_hidden"],
+        batch["loss_mask"],
+        batch.get("attention_mask"),
+        steps=steps,
+        decay=decay,
+        feature_noise=noise,
+        generator=generator,
+    )
+
+
+class EagleLoss(nn.Module):
+    """The head plus its loss as one module: what a trainer hands to ``accelerator.prepare``.
+
+    DDP synchronises gradients through the wrapped module's ``forward``, and the loss runs the head
+    several times (training-time test) and uses ``fc`` outside the head's own forward; wrapping
+    the whole loss makes that one forward per step. The head stays ``.head`` (unwrap to save).
+    ``loss_kwargs`` are :func:`eagle_loss`'s keywords (steps, decay, feature_noise, ce_weight).
+    """
+
+    def __init__(self, head: EagleHead, **loss_kwargs):
+        super().__init__()
+        self.head = head
+        self.loss_kwargs = loss_kwargs
+
+    def forward(self, batch: dict, generator: torch.Generator | None = None):
+        return eagle_loss(self.head, batch, generator=generator, **self.loss_kwargs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -620,12 +778,14 @@ def eagle_loss(head: EagleHead, batch: dict, *, steps: int = DEFAULT_TTT_STEPS,
 
 def save_eagle(head: EagleHead, directory: str | os.PathLike, target: Target) -> Path:
     """Write the head as a draftsmith artifact (method eagle1/eagle3); the target is not saved."""
-    return save_artifact(directory, head.config.method, head.config.to_dict(), head.state_dict(),
-                         target.identity())
+    return save_artifact(
+        directory, head.config.method, head.config.to_dict(), head.state_dict(), target.identity()
+    )
 
 
-def load_eagle(directory: str | os.PathLike, target: Target,
-               dtype: torch.dtype | None = None) -> EagleHead:
+def load_eagle(
+    directory: str | os.PathLike, target: Target, dtype: torch.dtype | None = None
+) -> EagleHead:
     """Rebuild a saved head on ``target``; refuses an artifact trained for another target."""
     directory = Path(directory)
     if not directory.exists():

@@ -65,8 +65,12 @@ _LLAMA_LAYER_WEIGHT = re.compile(
     r"(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.(weight|bias)"
     r"|(input_layernorm|post_attention_layernorm|hidden_norm)\.weight"
 )
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-                torch.float64: "float64"}
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+}
 
 
 def artifact_method(directory: str | os.PathLike) -> str:
@@ -76,21 +80,28 @@ def artifact_method(directory: str | os.PathLike) -> str:
     if method is None and "draftsmith" in config:
         method = "draft"  # a distilled draft is a plain HF directory with a draftsmith block
     if method not in FORMATS:
-        raise ValueError(f"{directory}: config.json names method {method!r}; expected one of "
-                         f"{sorted(FORMATS)} (is it a draftsmith artifact?)")
+        raise ValueError(
+            f"{directory}: config.json names method {method!r}; expected one of "
+            f"{sorted(FORMATS)} (is it a draftsmith artifact?)"
+        )
     return method
 
 
-def export(artifact_dir: str | os.PathLike, fmt: str, out_dir: str | os.PathLike,
-           verifier: str | None = None) -> Path:
+def export(
+    artifact_dir: str | os.PathLike,
+    fmt: str,
+    out_dir: str | os.PathLike,
+    verifier: str | None = None,
+) -> Path:
     """Dispatch on the artifact's method; an unknown format names the valid ones."""
     artifact_dir = Path(artifact_dir)
     if not artifact_dir.exists():
         raise FileNotFoundError(f"artifact {artifact_dir} does not exist")
     method = artifact_method(artifact_dir)
     if fmt not in FORMATS[method]:
-        raise ValueError(f"a {method} artifact exports to {' | '.join(FORMATS[method])}, "
-                         f"not {fmt!r}")
+        raise ValueError(
+            f"this {method} artifact exports to {' | '.join(FORMATS[method])}, not {fmt!r}"
+        )
     if method in ("eagle1", "eagle3"):
         return export_eagle(artifact_dir, fmt, out_dir, verifier=verifier)
     if method == "medusa":
@@ -113,8 +124,9 @@ def _write_dir(out_dir: str | os.PathLike, fill: Callable[[Path], None]) -> Path
     out = Path(out_dir)
     if out.exists():
         if not out.is_dir() or (any(out.iterdir()) and not (out / "config.json").is_file()):
-            raise ValueError(f"--out {out} exists and is not an earlier export; choose a new "
-                             "directory")
+            raise ValueError(
+                f"--out {out} exists and is not an earlier export; choose a new directory"
+            )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
     try:
@@ -169,8 +181,11 @@ def _llama_config(cfg: EagleConfig, dtype: torch.dtype) -> dict:
 
 
 def _check_llama_layer(state: dict[str, torch.Tensor], prefix: str, fmt: str, cfg: EagleConfig):
-    odd = [k for k in state if k.startswith(prefix)
-           and not _LLAMA_LAYER_WEIGHT.fullmatch(k[len(prefix):])]
+    odd = [
+        k
+        for k in state
+        if k.startswith(prefix) and not _LLAMA_LAYER_WEIGHT.fullmatch(k[len(prefix) :])
+    ]
     model_type = cfg.layer_config.get("model_type")
     if odd:
         raise ValueError(
@@ -181,32 +196,45 @@ def _check_llama_layer(state: dict[str, torch.Tensor], prefix: str, fmt: str, cf
 
 def _eagle_config_block(cfg: EagleConfig) -> dict:
     """SGLang's ``eagle_config``: aux layers counted as layer outputs (ours minus one)."""
-    return {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layer_ids],
-            "use_aux_hidden_state": True}
+    return {
+        "eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layer_ids],
+        "use_aux_hidden_state": True,
+    }
 
 
 def _speculators_block(cfg: EagleConfig, verifier: str, architectures: list[str]) -> dict:
     return {
         "algorithm": cfg.method.replace("eagle1", "eagle"),
-        "proposal_methods": [{"proposal_type": "greedy",
-                              "speculative_tokens": DEFAULT_SPECULATIVE_TOKENS,
-                              "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+        "proposal_methods": [
+            {
+                "proposal_type": "greedy",
+                "speculative_tokens": DEFAULT_SPECULATIVE_TOKENS,
+                "verifier_accept_k": 1,
+                "accept_tolerance": 0.0,
+            }
+        ],
         "default_proposal_method": "greedy",
         "verifier": {"name_or_path": verifier, "architectures": architectures},
     }
 
 
-def eagle_serving_files(meta: dict, state: dict[str, torch.Tensor], fmt: str,
-                        verifier: str | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+def eagle_serving_files(
+    meta: dict, state: dict[str, torch.Tensor], fmt: str, verifier: str | None = None
+) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json, weights) of an EAGLE artifact in ``fmt``; see the module docstring."""
     cfg = EagleConfig.from_dict(meta)
     if fmt not in FORMATS[cfg.method]:
-        raise ValueError(f"a {cfg.method} artifact exports to {' | '.join(FORMATS[cfg.method])}, "
-                         f"not {fmt!r}")
+        raise ValueError(
+            f"this {cfg.method} artifact exports to {' | '.join(FORMATS[cfg.method])}, not {fmt!r}"
+        )
     dtype = state["fc.weight"].dtype
     llama = _llama_config(cfg, dtype)
     target = meta.get("target") or {}
-    provenance = {"method": cfg.method, "target": target, "format_version": meta.get("format_version")}
+    provenance = {
+        "method": cfg.method,
+        "target": target,
+        "format_version": meta.get("format_version"),
+    }
     verifier = verifier or target.get("name") or "unknown"
     verifier_arch = list(cfg.layer_config.get("architectures") or ["LlamaForCausalLM"])
     prefix = "layers.0." if cfg.version == 1 else "midlayer."
@@ -216,8 +244,11 @@ def eagle_serving_files(meta: dict, state: dict[str, torch.Tensor], fmt: str,
 
     if fmt in ("vllm", "sglang"):
         weights = dict(state)
-        config = {**llama, "architectures": [ARCHITECTURES[(cfg.version, fmt)]],
-                  "draftsmith": provenance}
+        config = {
+            **llama,
+            "architectures": [ARCHITECTURES[(cfg.version, fmt)]],
+            "draftsmith": provenance,
+        }
         if cfg.version == 1 and fmt == "sglang":
             weights["fc.bias"] = torch.zeros(cfg.hidden_size, dtype=dtype)
         if cfg.version == 3:
@@ -234,8 +265,10 @@ def eagle_serving_files(meta: dict, state: dict[str, torch.Tensor], fmt: str,
     layer_config = {**llama, "architectures": ["LlamaForCausalLM"]}
     layer_config.pop("torch_dtype")
     if cfg.version == 1:
-        weights = {("fusion_fc.weight" if k == "fc.weight" else "transformer." + k[len(prefix):]): v
-                   for k, v in state.items()}
+        weights = {
+            ("fusion_fc.weight" if k == "fc.weight" else "transformer." + k[len(prefix) :]): v
+            for k, v in state.items()
+        }
         config = {
             "architectures": ["EagleSpeculator", "LlamaDecoderLayer"],
             "speculators_model_type": "eagle",
@@ -244,8 +277,10 @@ def eagle_serving_files(meta: dict, state: dict[str, torch.Tensor], fmt: str,
             "fusion_bias": False,
         }
     else:
-        weights = {("layers.0." + k[len(prefix):] if k.startswith(prefix) else k): v
-                   for k, v in state.items()}
+        weights = {
+            ("layers.0." + k[len(prefix) :] if k.startswith(prefix) else k): v
+            for k, v in state.items()
+        }
         config = {
             "architectures": ["Eagle3Speculator"],
             "speculators_model_type": "eagle3",
@@ -266,8 +301,12 @@ def eagle_serving_files(meta: dict, state: dict[str, torch.Tensor], fmt: str,
     return config, weights
 
 
-def export_eagle(artifact_dir: str | os.PathLike, fmt: str, out_dir: str | os.PathLike,
-                 verifier: str | None = None) -> Path:
+def export_eagle(
+    artifact_dir: str | os.PathLike,
+    fmt: str,
+    out_dir: str | os.PathLike,
+    verifier: str | None = None,
+) -> Path:
     """Write an eagle1/eagle3 artifact in ``fmt`` (vllm | sglang | speculators) to ``out_dir``.
 
     ``verifier`` (speculators only): the target's Hugging Face id or path recorded as the
@@ -277,8 +316,11 @@ def export_eagle(artifact_dir: str | os.PathLike, fmt: str, out_dir: str | os.Pa
     config, weights = eagle_serving_files(meta, state, fmt, verifier)
 
     def fill(tmp: Path) -> None:
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in weights.items()},
+            str(tmp / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         _write_json(tmp / "config.json", config)
 
     return _write_dir(out_dir, fill)
@@ -296,12 +338,15 @@ def _layout_of(config: dict) -> tuple[int, str]:
     for (version, fmt), name in ARCHITECTURES.items():
         if arch == name or (version == 3 and arch == "Eagle3LlamaForCausalLM"):
             return version, fmt
-    raise ValueError(f"config.json has architectures {config.get('architectures')} and no "
-                     "speculators_model_type: not an EAGLE export")
+    raise ValueError(
+        f"config.json has architectures {config.get('architectures')} and no "
+        "speculators_model_type: not an EAGLE export"
+    )
 
 
-def load_exported_eagle(directory: str | os.PathLike, target: Target,
-                        dtype: torch.dtype | None = None) -> EagleHead:
+def load_exported_eagle(
+    directory: str | os.PathLike, target: Target, dtype: torch.dtype | None = None
+) -> EagleHead:
     """Rebuild an :class:`EagleHead` from a vLLM / SGLang / speculators export, as an engine would.
 
     The layout is recognised from config.json; shapes must match ``target``.
@@ -314,11 +359,17 @@ def load_exported_eagle(directory: str | os.PathLike, target: Target,
     llama = config["transformer_layer_config"] if fmt == "speculators" else config
     state = load_file(str(directory / "model.safetensors"), device=str(target.device))
     if fmt == "speculators" and version == 1:
-        state = {("fc.weight" if k == "fusion_fc.weight" else "layers.0." + k[len("transformer."):]): v
-                 for k, v in state.items() if k == "fusion_fc.weight" or k.startswith("transformer.")}
+        state = {
+            ("fc.weight" if k == "fusion_fc.weight" else "layers.0." + k[len("transformer.") :]): v
+            for k, v in state.items()
+            if k == "fusion_fc.weight" or k.startswith("transformer.")
+        }
     elif fmt == "speculators":
-        state = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
-                 for k, v in state.items() if not k.startswith(("embed_tokens.", "verifier_"))}
+        state = {
+            ("midlayer." + k[len("layers.0.") :] if k.startswith("layers.0.") else k): v
+            for k, v in state.items()
+            if not k.startswith(("embed_tokens.", "verifier_"))
+        }
     bias = state.pop("fc.bias", None)
     if bias is not None and bool(bias.ne(0).any()):
         raise ValueError(f"{directory}: fc has a non-zero bias, which draftsmith heads do not have")
@@ -332,18 +383,24 @@ def load_exported_eagle(directory: str | os.PathLike, target: Target,
         aux = [i + 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
     else:
         aux = default_aux_layer_ids(L)
-    layer = {k: v for k, v in llama.items()
-             if k not in ("architectures", "draftsmith", "eagle_config", "torch_dtype")}
+    layer = {
+        k: v
+        for k, v in llama.items()
+        if k not in ("architectures", "draftsmith", "eagle_config", "torch_dtype")
+    }
     cfg = EagleConfig(
-        version=version, vocab_size=int(llama["vocab_size"]),
+        version=version,
+        vocab_size=int(llama["vocab_size"]),
         draft_vocab_size=int(config.get("draft_vocab_size") or llama["vocab_size"]),
         hidden_size=int(llama["hidden_size"]),
         target_hidden_size=int(config.get("target_hidden_size") or llama["hidden_size"]),
-        aux_layer_ids=tuple(aux), num_attention_heads=int(llama["num_attention_heads"]),
+        aux_layer_ids=tuple(aux),
+        num_attention_heads=int(llama["num_attention_heads"]),
         num_key_value_heads=int(llama.get("num_key_value_heads") or llama["num_attention_heads"]),
-        head_dim=int(llama.get("head_dim")
-                     or llama["hidden_size"] // llama["num_attention_heads"]),
-        intermediate_size=int(llama["intermediate_size"]), target_num_layers=L, layer_config=layer,
+        head_dim=int(llama.get("head_dim") or llama["hidden_size"] // llama["num_attention_heads"]),
+        intermediate_size=int(llama["intermediate_size"]),
+        target_num_layers=L,
+        layer_config=layer,
     )
     maps = {"d2t": state.get("d2t"), "t2d": state.get("t2d")} if version == 3 else {}
     head = EagleHead(cfg, target, dtype=dtype or state["fc.weight"].dtype, **maps)
@@ -363,8 +420,9 @@ def export_draft_hf(artifact_dir: str | os.PathLike, out_dir: str | os.PathLike)
     if not weights:
         raise FileNotFoundError(f"{src} has no model weights (*.safetensors)")
     if not any((src / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
-        raise FileNotFoundError(f"{src} has no tokenizer files; a draft must ship the target's "
-                                "tokenizer")
+        raise FileNotFoundError(
+            f"{src} has no tokenizer files; a draft must ship the target's tokenizer"
+        )
     config.pop("draftsmith", None)
     config.pop("method", None)
 
@@ -388,11 +446,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         + "; ".join(f"{m}: {', '.join(f)}" for m, f in FORMATS.items()),
     )
     parser.add_argument("artifact", help="artifact directory (the run's artifact/)")
-    parser.add_argument("--format", required=True, dest="fmt",
-                        choices=sorted({f for fs in FORMATS.values() for f in fs}))
+    parser.add_argument(
+        "--format",
+        required=True,
+        dest="fmt",
+        choices=sorted({f for fs in FORMATS.values() for f in fs}),
+    )
     parser.add_argument("--out", required=True, help="directory to write")
-    parser.add_argument("--verifier", default=None,
-                        help="speculators: the target's HF id or path (default: its recorded name)")
+    parser.add_argument(
+        "--verifier",
+        default=None,
+        help="speculators: the target's HF id or path (default: its recorded name)",
+    )
     args = parser.parse_args(argv)
     try:
         out = export(args.artifact, args.fmt, args.out, verifier=args.verifier)

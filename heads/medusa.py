@@ -32,6 +32,7 @@ A tree is a list of paths, each a tuple of top-k ranks per depth (the Medusa rep
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import shutil
 import tempfile
@@ -41,10 +42,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from heads.artifact import load_artifact, save_artifact
+from heads.artifact import load_artifact, read_artifact_config, save_artifact
 from heads.target import Target
 
 METHOD = "medusa"
@@ -356,7 +358,7 @@ def check_tree(paths, num_heads: int) -> list[RankPath]:
     for raw in paths:
         if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence) or len(raw) == 0:
             raise ValueError(f"tree path {raw!r} is not a non-empty sequence of top-k ranks")
-        if any(not isinstance(r, int) or isinstance(r, bool) or r < 0 for r in raw):
+        if any(not isinstance(r, numbers.Integral) or isinstance(r, bool) or r < 0 for r in raw):
             raise ValueError(f"tree path {list(raw)} must hold integer ranks >= 0")
         if len(raw) > num_heads:
             raise ValueError(
@@ -454,7 +456,13 @@ def load_medusa(directory: str | os.PathLike, target: Target | None = None,
 # serving layouts
 
 
-def _vllm_state(heads: MedusaHeads) -> dict[str, torch.Tensor]:
+def _stored_dtype(weights: Path) -> torch.dtype:
+    with safe_open(str(weights), framework="pt") as f:
+        keys = sorted(f.keys())
+        return f.get_slice(keys[0])[:1].dtype if keys else torch.float32
+
+
+def _vllm_state(heads: MedusaHeads, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     state = {}
     for h in range(heads.num_heads):
         for j, layer in enumerate(heads.blocks[h].layers):
@@ -462,10 +470,10 @@ def _vllm_state(heads: MedusaHeads) -> dict[str, torch.Tensor]:
             if layer.bias is not None:
                 state[f"blocks.{h}.layers.{j}.bias"] = layer.bias
         state[f"lm_heads.{h}.weight"] = heads.lm_head_weight(h)
-    return state
+    return {k: v.to(dtype) for k, v in state.items()}
 
 
-def _trtllm_state(heads: MedusaHeads) -> dict[str, torch.Tensor]:
+def _trtllm_state(heads: MedusaHeads, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     n = heads.config.num_layers
     state = {}
     for h in range(heads.num_heads):
@@ -476,7 +484,7 @@ def _trtllm_state(heads: MedusaHeads) -> dict[str, torch.Tensor]:
                 layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.out_features)
             )
         state[f"{h}.{n}.weight"] = heads.lm_head_weight(h)
-    return state
+    return {k: v.to(dtype) for k, v in state.items()}
 
 
 def _write_dir(out_dir: Path, files: dict[str, dict | dict[str, torch.Tensor]]) -> Path:
@@ -515,17 +523,17 @@ def _write_dir(out_dir: Path, files: dict[str, dict | dict[str, torch.Tensor]]) 
 
 
 def export_medusa(artifact_dir: str | os.PathLike, fmt: str, out_dir: str | os.PathLike,
-                  target: Target | None = None) -> Path:
+                  target: Target | None = None, dtype: torch.dtype | None = None) -> Path:
     """Write the artifact in a serving layout: ``fmt`` is "vllm" or "trtllm".
 
     Both layouts carry one vocabulary projection per head; for heads that share the target's LM
     head, its weight is written into every slot (and vLLM is told ``original_lm_head`` so it keeps
     one copy in memory). That needs the target: pass it, or it is loaded from the artifact's
-    ``base_model`` on the CPU.
+    ``base_model`` on the CPU. Weights are written in ``dtype``, by default the artifact's.
     """
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"unknown Medusa export format {fmt!r}; use one of {EXPORT_FORMATS}")
-    config = load_artifact(artifact_dir, METHOD)[0]
+    config = read_artifact_config(artifact_dir, METHOD)
     if target is None and config.get("share_lm_head"):
         from heads.target import load_target
 
@@ -534,7 +542,9 @@ def export_medusa(artifact_dir: str | os.PathLike, fmt: str, out_dir: str | os.P
             raise ValueError(f"{artifact_dir} shares the target's LM head but does not say which "
                              "target it is: pass target=...")
         target = load_target(spec, device="cpu", dtype="float32")
-    art = load_medusa(artifact_dir, target=target, device="cpu")
+    if dtype is None:
+        dtype = _stored_dtype(Path(artifact_dir) / "model.safetensors")
+    art = load_medusa(artifact_dir, target=target, device="cpu", dtype=dtype)
     heads, cfg = art.heads, art.heads.config
     base = config.get("base_model") or config.get("target", {}).get("name")
     topk = max(max(p) for p in art.tree) + 1
@@ -554,7 +564,7 @@ def export_medusa(artifact_dir: str | os.PathLike, fmt: str, out_dir: str | os.P
             "base_model_name_or_path": base,
             "medusa_choices": [list(p) for p in art.tree],
         }
-        files = {"config.json": meta, _VLLM_WEIGHTS: _vllm_state(heads)}
+        files = {"config.json": meta, _VLLM_WEIGHTS: _vllm_state(heads, dtype)}
     else:
         meta = {
             "medusa_num_heads": cfg.num_heads,
@@ -564,7 +574,7 @@ def export_medusa(artifact_dir: str | os.PathLike, fmt: str, out_dir: str | os.P
             "vocab_size": cfg.vocab_size,
             "medusa_choices": [list(p) for p in art.tree],
         }
-        files = {"config.json": meta, _TRTLLM_WEIGHTS: _trtllm_state(heads)}
+        files = {"config.json": meta, _TRTLLM_WEIGHTS: _trtllm_state(heads, dtype)}
     return _write_dir(Path(out_dir), files)
 
 

@@ -8,6 +8,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from heads.target import wrap_target
 
+# Tiny models gain nothing from intra-op threads, and on a shared 2-core machine extra threads
+# oversubscribe the CPU (a 4-row matmul went from 0.5 ms to 24 ms). Slow tests on the real target
+# raise this themselves.
+torch.set_num_threads(1)
+
 
 def tiny_llama(vocab: int = 96, hidden: int = 64, layers: int = 2, seed: int = 0,
                dtype: torch.dtype = torch.float64, eos: int | None = None,

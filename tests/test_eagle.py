@@ -8,7 +8,9 @@ alignment, positions and the index convention (a random head would be accepted b
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from eval.sampling import SamplingParams
 from heads.eagle import (
     EagleConfig,
     EagleHead,
+    EagleLoss,
     build_draft_vocab,
     check_vocab_maps,
     count_tokens,
@@ -40,11 +43,18 @@ PROMPTS = [[5, 17, 33, 2, 9], [60, 61, 62], [11, 12, 40, 41, 42, 43, 80]]
 NEW_TOKENS = 40
 
 
-def tiny_target(seed: int = 0, vocab: int = VOCAB, hidden: int = 64):
+def make_target(seed: int = 0, vocab: int = VOCAB, hidden: int = 64):
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float64)
@@ -64,7 +74,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_target()
+    return make_target()
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +91,10 @@ def greedy(engine):
 @pytest.fixture(scope="module")
 def batch(greedy):
     """The prompts with their greedy continuations as a training batch (answers are assistant)."""
-    rows = [{"input_ids": p + g, "loss_mask": [0] * len(p) + [1] * len(g)}
-            for p, g in zip(PROMPTS, greedy)]
+    rows = [
+        {"input_ids": p + g, "loss_mask": [0] * len(p) + [1] * len(g)}
+        for p, g in zip(PROMPTS, greedy)
+    ]
     return rows, collate_causal_lm(rows, pad_token_id=0)
 
 
@@ -143,8 +155,16 @@ def test_build_draft_vocab_keeps_most_frequent_and_maps_exactly():
     assert (torch.arange(4) + d2t).tolist() == sorted(kept)  # draft ids follow ascending target ids
     assert t2d.nonzero().flatten().tolist() == sorted(kept)
     # a tie at the cut goes to the lower id; unseen tokens fill up by id
-    assert (torch.arange(3) + build_draft_vocab(torch.tensor([1, 2, 2, 2]), 3)[0]).tolist() == [1, 2, 3]
-    assert (torch.arange(3) + build_draft_vocab(torch.tensor([0, 4, 0, 0]), 3)[0]).tolist() == [0, 1, 2]
+    assert (torch.arange(3) + build_draft_vocab(torch.tensor([1, 2, 2, 2]), 3)[0]).tolist() == [
+        1,
+        2,
+        3,
+    ]
+    assert (torch.arange(3) + build_draft_vocab(torch.tensor([0, 4, 0, 0]), 3)[0]).tolist() == [
+        0,
+        1,
+        2,
+    ]
     check_vocab_maps(d2t, t2d, 8)
     with pytest.raises(ValueError, match="1..8"):
         build_draft_vocab(counts, 9)
@@ -188,7 +208,7 @@ def test_config_validation(target, maps):
     assert cfg.feature_layers == (1, 2, 3, 4)
     assert EagleConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     with pytest.raises(ValueError, match="vocab"):
-        EagleHead(cfg, tiny_target(vocab=64), d2t=maps[0], t2d=maps[1])
+        EagleHead(cfg, make_target(vocab=64), d2t=maps[0], t2d=maps[1])
 
 
 def test_head_weights_use_serving_names_and_leave_target_out(target, maps):
@@ -197,17 +217,28 @@ def test_head_weights_use_serving_names_and_leave_target_out(target, maps):
     assert "fc.weight" in names1 and "layers.0.self_attn.q_proj.weight" in names1
     assert not any("input_layernorm" in n or "embed" in n or "lm_head" in n for n in names1)
     names3 = set(h3.state_dict())
-    assert {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
-            "norm.weight", "lm_head.weight", "d2t", "t2d"} <= names3
+    assert {
+        "fc.weight",
+        "midlayer.hidden_norm.weight",
+        "midlayer.input_layernorm.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+    } <= names3
     assert not any("embed" in n for n in names3)
     assert h3.fc.weight.shape == (64, 3 * 64)
     assert h3.midlayer.self_attn.q_proj.weight.shape[1] == 2 * 64
     kept = torch.arange(DRAFT_VOCAB) + maps[0]
-    assert torch.equal(h3.lm_head.weight, target.lm_head.weight[kept])  # initialised from the target
+    assert torch.equal(
+        h3.lm_head.weight, target.lm_head.weight[kept]
+    )  # initialised from the target
     assert torch.equal(h3.draft_to_target(torch.arange(DRAFT_VOCAB)), kept)
     target_params = {id(p) for p in target.model.parameters()}
     assert not any(id(p) in target_params for p in h3.parameters())
     assert all(p.requires_grad for p in h3.parameters())
+    twin = copy.deepcopy(h3)  # e.g. an EMA copy: its own weights, the same frozen target parts
+    assert twin.frozen.embed is target.embed and twin.fc.weight is not h3.fc.weight
 
 
 @pytest.mark.parametrize("version", [1, 3])
@@ -229,17 +260,46 @@ def test_losses_decrease_and_target_stays_frozen(target, batch, maps, version):
 
 
 @pytest.mark.parametrize("version", [1, 3])
+def test_eagle_loss_module_trains_under_ddp(tmp_path, target, batch, maps, version):
+    """EagleLoss is one DDP forward per step; gradients equal the plain loss's."""
+    import torch.distributed as dist
+
+    head = make_head(target, version, maps)
+    b = online_batch(target, head, batch[1])
+    loss, _ = eagle_loss(head, b, steps=2, feature_noise=0.0)
+    loss.backward()
+    plain = {n: p.grad.clone() for n, p in head.named_parameters()}
+    head.zero_grad()
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(EagleLoss(head, steps=2, feature_noise=0.0))
+        ddp_loss, metrics = ddp(b)
+        ddp_loss.backward()
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(ddp_loss, loss)
+    for name, p in head.named_parameters():
+        torch.testing.assert_close(p.grad, plain[name], rtol=1e-12, atol=1e-14)
+    assert "acc_1" in metrics or version == 1
+
+
+@pytest.mark.parametrize("version", [1, 3])
 def test_online_and_offline_give_the_same_loss(tmp_path, target, batch, maps, version):
     rows, collated = batch
     head = make_head(target, version, maps)
     online = online_batch(target, head, collated)
     # a different batching when writing means different padding: features must not depend on it
-    cache_dir = write_feature_cache(target, rows, tmp_path / "cache", head.config, batch_size=2,
-                                    shard_tokens=60)
+    cache_dir = write_feature_cache(
+        target, rows, tmp_path / "cache", head.config, batch_size=2, shard_tokens=60
+    )
     index = json.loads((cache_dir / "index.json").read_text())
     assert len(index["shards"]) >= 2 and index["tokens"] == sum(len(r["input_ids"]) for r in rows)
     assert index["bytes_per_token"] == len(head.config.feature_layers) * 64 * 8 + 5
     cache = FeatureCache(cache_dir, head.config, target)
+    cache[0]  # opened files must not stop the dataset from reaching spawned DataLoader workers
+    cache = pickle.loads(pickle.dumps(cache))
     offline = collate_features([cache[i] for i in range(len(cache))], pad_token_id=0)
     assert set(offline) == set(online)
     for key in ("input_ids", "attention_mask", "loss_mask", "labels"):
@@ -252,9 +312,12 @@ def test_online_and_offline_give_the_same_loss(tmp_path, target, batch, maps, ve
     torch.testing.assert_close(loss_off, loss_on, rtol=1e-10, atol=0)
     # noise drawn from the same generator is the same noise, online or offline
     g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-    torch.testing.assert_close(eagle_loss(head, offline, feature_noise=0.2, generator=g1)[0],
-                               eagle_loss(head, online, feature_noise=0.2, generator=g2)[0],
-                               rtol=1e-10, atol=0)
+    torch.testing.assert_close(
+        eagle_loss(head, offline, feature_noise=0.2, generator=g1)[0],
+        eagle_loss(head, online, feature_noise=0.2, generator=g2)[0],
+        rtol=1e-10,
+        atol=0,
+    )
 
 
 def test_feature_cache_reuse_and_refusals(tmp_path, target, batch, maps):
@@ -267,7 +330,7 @@ def test_feature_cache_reuse_and_refusals(tmp_path, target, batch, maps):
     with pytest.raises(ValueError, match="does not fit this head"):
         FeatureCache(path, h3.config)
     with pytest.raises(ValueError, match="trained for target"):
-        FeatureCache(path, h1.config, tiny_target(hidden=64, vocab=VOCAB + 1))
+        FeatureCache(path, h1.config, make_target(hidden=64, vocab=VOCAB + 1))
     with pytest.raises(FileNotFoundError, match="not a feature cache"):
         FeatureCache(tmp_path, h1.config)
     (tmp_path / "other").mkdir()
@@ -280,7 +343,10 @@ def test_feature_cache_reuse_and_refusals(tmp_path, target, batch, maps):
 # the proposer
 
 
-MODES = {"chain": dict(depth=4, topk=1, total_tokens=4), "tree": dict(depth=4, topk=3, total_tokens=12)}
+MODES = {
+    "chain": dict(depth=4, topk=1, total_tokens=4),
+    "tree": dict(depth=4, topk=3, total_tokens=12),
+}
 
 
 @pytest.mark.parametrize("kind", ["random", "trained"])
@@ -316,11 +382,12 @@ class Recording(EagleProposer):
 
 
 def fresh(target, head, seq):
-    """The head's cache, recomputed from scratch over the real entries of ``seq`` (root excluded)."""
+    """The head's cache recomputed from scratch over the real entries of ``seq`` (not the root)."""
     feats = target_features(target, torch.tensor([seq[:-1]]), None, head.config)["features"]
     cache = head.new_cache()
-    out, logits = head(torch.tensor([seq[1:]]), head.fuse(feats),
-                       torch.arange(len(seq) - 1)[None], None, cache)
+    out, logits = head(
+        torch.tensor([seq[1:]]), head.fuse(feats), torch.arange(len(seq) - 1)[None], None, cache
+    )
     return cache, out[:, -1:], logits[0, -1]
 
 
@@ -358,8 +425,13 @@ def test_tree_scores_match_sequential_recomputation(engine, target, heads, versi
                 tok = tree.tokens[step - 1]
                 total += float(torch.log_softmax(logits.double(), -1)[draft_id[tok]])
                 if step != node:
-                    hidden, out = head(torch.tensor([[tok]]), hidden,
-                                       torch.tensor([[base - 1 + depth]]), None, cache)
+                    hidden, out = head(
+                        torch.tensor([[tok]]),
+                        hidden,
+                        torch.tensor([[base - 1 + depth]]),
+                        None,
+                        cache,
+                    )
                     logits = out[0, -1]
             crop(cache, base)
             assert total == pytest.approx(scores[node - 1], abs=1e-9)
@@ -406,7 +478,7 @@ def test_save_load_round_trip_and_refuse_other_target(tmp_path, target, heads):
         positions = torch.arange(ids.shape[1])[None]
         assert torch.equal(loaded(ids, feats, positions)[1], head(ids, feats, positions)[1])
         with pytest.raises(ValueError, match="trained for target"):
-            load_eagle(path, tiny_target(hidden=32))
+            load_eagle(path, make_target(hidden=32))
     with pytest.raises(FileNotFoundError):
         load_eagle(tmp_path / "missing", target)
 
@@ -437,7 +509,7 @@ def test_smollm2_random_eagle3_greedy_equality():
     prompt = json.loads(question.read_text().splitlines()[0])["turns"][0]
     ids = target.chat_ids(prompt)
     counts = count_tokens([ids], target.vocab_size)
-    counts[: 4096] += 1  # a 4096-token draft vocabulary around the prompt's tokens
+    counts[:4096] += 1  # a 4096-token draft vocabulary around the prompt's tokens
     d2t, t2d = build_draft_vocab(counts, 4096)
     torch.manual_seed(0)
     head = EagleHead(EagleConfig.from_target(target, 3, draft_vocab_size=4096), target, d2t, t2d)
@@ -445,4 +517,7 @@ def test_smollm2_random_eagle3_greedy_equality():
     engine = SpeculativeEngine(target)
     reference = engine.generate(ids, 32, SamplingParams()).tokens
     for mode in MODES.values():
-        assert engine.generate(ids, 32, SamplingParams(), EagleProposer(head, **mode)).tokens == reference
+        assert (
+            engine.generate(ids, 32, SamplingParams(), EagleProposer(head, **mode)).tokens
+            == reference
+        )

@@ -7,6 +7,7 @@ dispatch to them is checked.)
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -26,11 +27,18 @@ from heads.target import wrap_target
 VOCAB, DRAFT_VOCAB, AUX = 80, 24, (1, 2, 3)
 
 
-def tiny_target(vocab: int = VOCAB, hidden: int = 64):
+def make_target(vocab: int = VOCAB, hidden: int = 64):
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
     )
     torch.manual_seed(0)
     return wrap_target(LlamaForCausalLM(config).to(torch.float64), name="tiny-export")
@@ -38,7 +46,7 @@ def tiny_target(vocab: int = VOCAB, hidden: int = 64):
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_target()
+    return make_target()
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +65,9 @@ def artifacts(tmp_path_factory, target, maps):
         if version == 1:
             head = EagleHead(EagleConfig.from_target(target, 1), target)
         else:
-            cfg = EagleConfig.from_target(target, 3, aux_layer_ids=AUX, draft_vocab_size=DRAFT_VOCAB)
+            cfg = EagleConfig.from_target(
+                target, 3, aux_layer_ids=AUX, draft_vocab_size=DRAFT_VOCAB
+            )
             head = EagleHead(cfg, target, d2t=maps[0], t2d=maps[1])
         with torch.no_grad():
             for name, p in head.named_parameters():
@@ -127,7 +137,9 @@ def test_eagle3_configs_carry_each_engines_layer_convention(tmp_path, artifacts)
     assert spec["speculators_config"]["verifier"]["name_or_path"] == "tiny-export"
     assert spec["transformer_layer_config"]["vocab_size"] == VOCAB
     names = set(load_file(str(tmp_path / "p" / "model.safetensors")))
-    assert "layers.0.hidden_norm.weight" in names and not any(n.startswith("midlayer") for n in names)
+    assert "layers.0.hidden_norm.weight" in names and not any(
+        n.startswith("midlayer") for n in names
+    )
     names = set(load_file(str(tmp_path / "v" / "model.safetensors")))
     assert {"fc.weight", "midlayer.hidden_norm.weight", "norm.weight", "lm_head.weight"} <= names
     assert not any("embed_tokens" in n for n in names)
@@ -138,13 +150,19 @@ def test_eagle1_layouts(tmp_path, artifacts):
     vllm = export(artifact, "vllm", tmp_path / "v")
     sglang = export(artifact, "sglang", tmp_path / "s")
     spec = export(artifact, "speculators", tmp_path / "p", verifier="org/tiny")
-    assert json.loads((vllm / "config.json").read_text())["architectures"] == ["EagleLlamaForCausalLM"]
-    assert json.loads((sglang / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle"]
+    assert json.loads((vllm / "config.json").read_text())["architectures"] == [
+        "EagleLlamaForCausalLM"
+    ]
+    assert json.loads((sglang / "config.json").read_text())["architectures"] == [
+        "LlamaForCausalLMEagle"
+    ]
     v = load_file(str(vllm / "model.safetensors"))
     assert "fc.bias" not in v and "layers.0.self_attn.q_proj.weight" in v
     assert not any("input_layernorm" in n or "lm_head" in n or "embed" in n for n in v)
     s = load_file(str(sglang / "model.safetensors"))
-    assert torch.equal(s["fc.bias"], torch.zeros(64, dtype=s["fc.weight"].dtype))  # SGLang's fc has one
+    assert torch.equal(
+        s["fc.bias"], torch.zeros(64, dtype=s["fc.weight"].dtype)
+    )  # SGLang's fc has one
     p = load_file(str(spec / "model.safetensors"))
     assert "fusion_fc.weight" in p and "transformer.mlp.down_proj.weight" in p
     config = json.loads((spec / "config.json").read_text())
@@ -168,9 +186,9 @@ def test_load_exported_refuses_other_target(tmp_path, artifacts):
     _, artifact = artifacts[3]
     out = export(artifact, "vllm", tmp_path / "v")
     with pytest.raises(ValueError, match="vocab"):
-        load_exported_eagle(out, tiny_target(vocab=VOCAB + 8))
+        load_exported_eagle(out, make_target(vocab=VOCAB + 8))
     with pytest.raises(FileNotFoundError):
-        load_exported_eagle(tmp_path / "nothing", tiny_target())
+        load_exported_eagle(tmp_path / "nothing", make_target())
 
 
 def test_cli_and_bad_inputs(tmp_path, artifacts, capsys):
@@ -202,7 +220,7 @@ def test_cli_and_bad_inputs(tmp_path, artifacts, capsys):
     medusa = tmp_path / "medusa"
     medusa.mkdir()
     (medusa / "config.json").write_text(json.dumps({"method": "medusa"}))
-    with pytest.raises(ValueError, match="medusa artifact exports to vllm | trtllm"):
+    with pytest.raises(ValueError, match=re.escape("medusa artifact exports to vllm | trtllm")):
         export(medusa, "sglang", tmp_path / "m")
     plain = tmp_path / "plain"
     plain.mkdir()
@@ -219,7 +237,7 @@ def test_draft_exports_as_a_clean_hf_directory(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
     draft = tmp_path / "draft"
-    model = tiny_target(vocab=16, hidden=32).model
+    model = make_target(vocab=16, hidden=32).model
     model.save_pretrained(draft)
     words = Tokenizer(WordLevel({f"w{i}": i for i in range(15)} | {"[UNK]": 15}, unk_token="[UNK]"))
     words.pre_tokenizer = Whitespace()

@@ -394,15 +394,33 @@ def _exact_first_three(target, prompt: list[int]) -> dict[tuple[int, int, int], 
     return out
 
 
-def _within_bound(counts: dict, exact: dict, samples: int, delta: float = 1e-3) -> list:
-    """Outcomes whose frequency leaves Bernstein's bound (union over outcomes, failure delta)."""
-    log_term = math.log(2 * len(exact) / delta)
+_VIEWS = ((0, 1, 2), (0, 1), (1, 2), (0, 2), (1,), (2,))  # the joint and its marginals
+
+
+def _marginal(dist: dict, view: tuple[int, ...]) -> dict:
+    out: dict = {}
+    for outcome, mass in dist.items():
+        key = tuple(outcome[i] for i in view)
+        out[key] = out.get(key, 0) + mass
+    return out
+
+
+def _outside_bound(counts: dict, exact: dict, samples: int, delta: float = 1e-3) -> list:
+    """Frequencies (joint and marginals) outside Bernstein's bound, union-bounded to delta.
+
+    For one outcome of probability p, P(|freq - p| > eps) <= 2 exp(-n eps^2 / (2p(1-p) + 2eps/3)),
+    so eps = sqrt(2 p (1-p) L / n) + 2 L / (3 n) with L = log(2 m / delta) over all m outcomes
+    checked fails with probability at most delta under the exact rule.
+    """
+    checked = [(view, _marginal(exact, view), _marginal(counts, view)) for view in _VIEWS]
+    log_term = math.log(2 * sum(len(e) for _, e, _ in checked) / delta)
     bad = []
-    for outcome, p in exact.items():
-        freq = counts.get(outcome, 0) / samples
-        bound = math.sqrt(2 * p * (1 - p) * log_term / samples) + 2 * log_term / (3 * samples)
-        if abs(freq - p) > bound:
-            bad.append((outcome, freq, p, bound))
+    for view, probs, seen in checked:
+        for outcome, p in probs.items():
+            freq = seen.get(outcome, 0) / samples
+            bound = math.sqrt(2 * p * (1 - p) * log_term / samples) + 2 * log_term / (3 * samples)
+            if abs(freq - p) > bound:
+                bad.append((view, outcome, freq, p, bound))
     return bad
 
 
@@ -419,6 +437,27 @@ class _AlwaysAccept(MedusaProposer):
         probs = warp(target_logits[node], params)
         tried = list(range(1, len(path) + 1))
         return TreeOutcome(path, int(torch.multinomial(probs, 1, generator=generator)), tried)
+
+
+class _NoRenormalisation(MedusaProposer):
+    """A subtly wrong rule: accept child c with target(c), but never remove rejected children's
+    mass (neither from the next child's chance nor from the final sample)."""
+
+    exact = False
+
+    def lossy_verify(self, tree, target_logits, params, generator):
+        node, path, tried = 0, [], []
+        while True:
+            probs = warp(target_logits[node], params)
+            if tree.children[node]:
+                tried.append(tree.depths[node] + 1)
+            accepted = next((c for c in tree.children[node] if float(
+                torch.rand((), generator=generator)) < float(probs[tree.tokens[c - 1]])), None)
+            if accepted is None:
+                token = int(torch.multinomial(probs, 1, generator=generator))
+                return TreeOutcome(path, token, tried)
+            path.append(accepted)
+            node = accepted
 
 
 def test_temperature_one_distribution_matches_the_target(target6):
@@ -446,14 +485,15 @@ def test_temperature_one_distribution_matches_the_target(target6):
         return counts, accepted
 
     samples = 1000
-    right = MedusaProposer(target6, heads, tree)
-    counts, accepted = sample(right, samples)
-    assert _within_bound(counts, exact, samples) == []
+    counts, accepted = sample(MedusaProposer(target6, heads, tree), samples)
+    assert _outside_bound(counts, exact, samples) == []
     # the tree was really used: tokens were accepted at depth 1 and at depth 2
     assert accepted[0] > samples // 10 and accepted[1] > samples // 50
-    wrong_samples = 200
-    wrong, _ = sample(_AlwaysAccept(target6, heads, tree), wrong_samples)
-    assert _within_bound(wrong, exact, wrong_samples) != []
+    # the same check rejects wrong rules, a blatant and a subtle one
+    wrong, _ = sample(_AlwaysAccept(target6, heads, tree), 100)
+    assert _outside_bound(wrong, exact, 100) != []
+    subtle, _ = sample(_NoRenormalisation(target6, heads, tree), samples)
+    assert _outside_bound(subtle, exact, samples) != []
 
 
 def test_typical_acceptance_is_lossy_and_picks_the_longest_plausible_path():
@@ -590,7 +630,10 @@ def test_export_errors(target32, tmp_path):
         export_medusa(tmp_path / "a", "vllm", busy)
     assert (busy / "notes.txt").read_text() == "keep me"
     export_medusa(tmp_path / "a", "vllm", tmp_path / "v")
-    export_medusa(tmp_path / "a", "vllm", tmp_path / "v")  # a previous export is replaced
+    # a previous export is replaced; weights can be written in another dtype
+    export_medusa(tmp_path / "a", "vllm", tmp_path / "v", dtype=torch.float32)
+    assert {t.dtype for t in load_file(str(tmp_path / "v" / "model.safetensors")).values()} == {
+        torch.float32}
     with pytest.raises(FileNotFoundError):
         load_medusa_export(tmp_path / "a")  # an artifact is not a serving layout
 

@@ -51,8 +51,12 @@ from train.data import collate_causal_lm
 
 CACHE_VERSION = 1
 INDEX = "index.json"
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "float64": torch.float64}
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
 
 
 def bytes_per_token(config: EagleConfig, dtype: torch.dtype) -> int:
@@ -73,13 +77,19 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return next(name for name, dt in _DTYPES.items() if dt == dtype)
 
 
-def _expected_index(target: Target, config: EagleConfig, dtype: torch.dtype, fingerprint: str,
-                    rows: int) -> dict:
+def _expected_index(
+    target: Target, config: EagleConfig, dtype: torch.dtype, fingerprint: str, rows: int
+) -> dict:
     return {
-        "cache_version": CACHE_VERSION, "version": config.version,
-        "aux_layer_ids": list(config.aux_layer_ids), "feature_layers": list(config.feature_layers),
-        "hidden_size": config.target_hidden_size, "dtype": _dtype_name(dtype),
-        "target": target.identity(), "dataset": fingerprint, "rows": rows,
+        "cache_version": CACHE_VERSION,
+        "version": config.version,
+        "aux_layer_ids": list(config.aux_layer_ids),
+        "feature_layers": list(config.feature_layers),
+        "hidden_size": config.target_hidden_size,
+        "dtype": _dtype_name(dtype),
+        "target": target.identity(),
+        "dataset": fingerprint,
+        "rows": rows,
         "bytes_per_token": bytes_per_token(config, dtype),
     }
 
@@ -88,17 +98,26 @@ def _matches(index: dict, expected: dict) -> bool:
     return all(index.get(k) == v for k, v in expected.items())
 
 
-def write_feature_cache(target: Target, dataset: Sequence[Mapping], out_dir: str | os.PathLike,
-                        config: EagleConfig, *, batch_size: int = 8,
-                        shard_tokens: int = 1 << 22, dtype: torch.dtype | None = None,
-                        progress: bool = False) -> Path:
+def write_feature_cache(
+    target: Target,
+    dataset: Sequence[Mapping],
+    out_dir: str | os.PathLike,
+    config: EagleConfig,
+    *,
+    batch_size: int = 8,
+    shard_tokens: int = 1 << 22,
+    dtype: torch.dtype | None = None,
+    progress: bool = False,
+) -> Path:
     """Run the target over ``dataset`` (rows with input_ids, loss_mask) and cache the features.
 
     A cache already written for the same target, head layers, dtype and rows is reused as is.
     ``dtype`` defaults to the target's; ``shard_tokens`` bounds the tokens per shard file.
     """
     if batch_size < 1 or shard_tokens < 1:
-        raise ValueError(f"batch_size and shard_tokens must be >= 1, got {batch_size}, {shard_tokens}")
+        raise ValueError(
+            f"batch_size and shard_tokens must be >= 1, got {batch_size}, {shard_tokens}"
+        )
     out = Path(out_dir)
     dtype = dtype or target.dtype
     if dtype not in _DTYPES.values():
@@ -113,8 +132,9 @@ def write_feature_cache(target: Target, dataset: Sequence[Mapping], out_dir: str
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
     try:
-        shards = _write_shards(target, dataset, tmp, config, batch_size, shard_tokens, dtype,
-                               progress)
+        shards = _write_shards(
+            target, dataset, tmp, config, batch_size, shard_tokens, dtype, progress
+        )
         index = {**expected, "tokens": sum(s["tokens"] for s in shards), "shards": shards}
         (tmp / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
         if out.exists():
@@ -126,8 +146,16 @@ def write_feature_cache(target: Target, dataset: Sequence[Mapping], out_dir: str
     return out
 
 
-def _write_shards(target, dataset, tmp: Path, config: EagleConfig, batch_size: int,
-                  shard_tokens: int, dtype: torch.dtype, progress: bool) -> list[dict]:
+def _write_shards(
+    target,
+    dataset,
+    tmp: Path,
+    config: EagleConfig,
+    batch_size: int,
+    shard_tokens: int,
+    dtype: torch.dtype,
+    progress: bool,
+) -> list[dict]:
     shards: list[dict] = []
     pending: list[dict[str, torch.Tensor]] = []
     pending_tokens = 0
@@ -154,12 +182,19 @@ def _write_shards(target, dataset, tmp: Path, config: EagleConfig, batch_size: i
     for start in tqdm(starts, desc="target features", disable=not progress):
         rows = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
         batch = collate_causal_lm(rows, pad_token_id=0)  # padding is masked out, any id will do
-        feats = target_features(target, batch["input_ids"].to(target.device),
-                                batch["attention_mask"].to(target.device), config)
+        feats = target_features(
+            target,
+            batch["input_ids"].to(target.device),
+            batch["attention_mask"].to(target.device),
+            config,
+        )
         for b, row in enumerate(rows):
             n = len(row["input_ids"])
-            entry = {"input_ids": batch["input_ids"][b, :n], "loss_mask": batch["loss_mask"][b, :n],
-                     "features": feats["features"][b, :n].to("cpu", dtype)}
+            entry = {
+                "input_ids": batch["input_ids"][b, :n],
+                "loss_mask": batch["loss_mask"][b, :n],
+                "features": feats["features"][b, :n].to("cpu", dtype),
+            }
             if config.version == 3:
                 entry["last_hidden"] = feats["last_hidden"][b, :n].to("cpu", dtype)
             pending.append(entry)
@@ -176,22 +211,30 @@ class FeatureCache(Dataset):
     ``config`` (and ``target``, when given) are checked against what the cache was written for.
     """
 
-    def __init__(self, directory: str | os.PathLike, config: EagleConfig,
-                 target: Target | None = None):
+    def __init__(
+        self, directory: str | os.PathLike, config: EagleConfig, target: Target | None = None
+    ):
         self.directory = Path(directory)
         index_path = self.directory / INDEX
         if not index_path.is_file():
-            raise FileNotFoundError(f"{self.directory} is not a feature cache (no {INDEX}); write "
-                                    "one with write_feature_cache")
+            raise FileNotFoundError(
+                f"{self.directory} is not a feature cache (no {INDEX}); write "
+                "one with write_feature_cache"
+            )
         self.index = json.loads(index_path.read_text())
         if self.index.get("cache_version") != CACHE_VERSION:
             raise ValueError(f"{self.directory} was written by another cache version; rewrite it")
-        wanted = {"version": config.version, "aux_layer_ids": list(config.aux_layer_ids),
-                  "hidden_size": config.target_hidden_size}
+        wanted = {
+            "version": config.version,
+            "aux_layer_ids": list(config.aux_layer_ids),
+            "hidden_size": config.target_hidden_size,
+        }
         wrong = {k: (self.index.get(k), v) for k, v in wanted.items() if self.index.get(k) != v}
         if wrong:
-            raise ValueError(f"feature cache {self.directory} does not fit this head (cache vs "
-                             f"head: {wrong}); write a cache for this head")
+            raise ValueError(
+                f"feature cache {self.directory} does not fit this head (cache vs "
+                f"head: {wrong}); write a cache for this head"
+            )
         if target is not None:
             target.check_identity(self.index["target"], what=f"feature cache {self.directory}")
         self.version = config.version
@@ -204,6 +247,10 @@ class FeatureCache(Dataset):
 
     def __len__(self) -> int:
         return self.starts[-1]
+
+    def __getstate__(self) -> dict:
+        # open files do not pickle (DataLoader workers started with spawn): reopen them there
+        return {**self.__dict__, "_handles": {}, "_offsets": {}}
 
     def _open(self, s: int):
         # opened lazily, so each DataLoader worker memory-maps the files itself
@@ -219,9 +266,11 @@ class FeatureCache(Dataset):
         s = bisect.bisect_right(self.starts, i) - 1
         handle, offsets = self._open(s)
         lo, hi = offsets[i - self.starts[s]], offsets[i - self.starts[s] + 1]
-        row = {"input_ids": handle.get_slice("input_ids")[lo:hi].to(torch.int64),
-               "loss_mask": handle.get_slice("loss_mask")[lo:hi].to(torch.int64),
-               "features": handle.get_slice("features")[lo:hi]}
+        row = {
+            "input_ids": handle.get_slice("input_ids")[lo:hi].to(torch.int64),
+            "loss_mask": handle.get_slice("loss_mask")[lo:hi].to(torch.int64),
+            "features": handle.get_slice("features")[lo:hi],
+        }
         if self.version == 3:
             row["last_hidden"] = handle.get_slice("last_hidden")[lo:hi]
         return row

@@ -1,0 +1,387 @@
+"""train/distill.py: on-policy batches, training that moves the draft only, exact resume, LoRA,
+export (eval.bench and transformers' assisted generation), vocabulary and config refusals.
+
+The target is a tiny random Llama saved as a Hugging Face directory with a 48-token word-level
+tokenizer and a ChatML-like chat template, so the whole pipeline (data, chat template, sampling,
+checkpoints, evaluation, export) runs as it does on a real target, in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import train.distill as distill_module
+from distill.draft import read_draft_info
+from distill.losses import divergence, next_token_mask
+from eval.bench import build_methods
+from eval.sampling import SamplingParams
+from heads.target import load_target
+from train.checkpoints import GracefulStop
+from train.config import config_from_dict, parse_config
+from train.distill import (
+    DistillConfig,
+    build_draft,
+    collate_distill,
+    distill_loss,
+    draft_sampled_batch,
+    is_on_policy,
+    load_distill_rows,
+    main,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SPECIALS = ["<unk>", "<pad>", "<|im_start|>", "<|im_end|>"]
+WORDS = ["system", "user", "assistant"] + [f"w{i}" for i in range(41)]  # 48 tokens in all
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> "
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+PEFT_WARNING = "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {token: i for i, token in enumerate(SPECIALS + WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
+                                        pad_token="<pad>", bos_token="<|im_start|>",
+                                        eos_token="<|im_end|>")
+    tokenizer.chat_template = TEMPLATE
+    return tokenizer
+
+
+def save_tiny_llama(path: Path, vocab: int, tokenizer, seed: int) -> Path:
+    """A 2-layer random Llama (std 0.1: peaked, varied outputs) saved with its tokenizer."""
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, initializer_range=0.1,
+                         tie_word_embeddings=True, bos_token_id=2, eos_token_id=3, pad_token_id=1)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = 3
+    model.generation_config.pad_token_id = 1
+    model.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(f"w{rng.randrange(41)}" for _ in range(n))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """The tiny target directory, training data (answered and prompt-only), eval prompts."""
+    root = tmp_path_factory.mktemp("distill")
+    tokenizer = word_tokenizer()
+    target = save_tiny_llama(root / "target", len(tokenizer), tokenizer, seed=0)
+    rng = random.Random(0)
+    answered = root / "answered.jsonl"
+    answered.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": words(rng, rng.randint(3, 8))},
+        {"role": "assistant", "content": words(rng, rng.randint(4, 12))}]}) + "\n"
+        for _ in range(16)))
+    prompts = root / "prompts.json"  # ShareGPT first turns: no responses
+    prompts.write_text(json.dumps([{"conversations": [
+        {"from": "human", "value": words(rng, rng.randint(3, 8))}]} for _ in range(8)]))
+    eval_prompts = root / "eval.jsonl"
+    eval_prompts.write_text("".join(json.dumps({"turns": [words(rng, 5)]}) + "\n"
+                                    for _ in range(2)))
+    return {"root": root, "target": str(target), "data": [str(answered), str(prompts)],
+            "eval": str(eval_prompts)}
+
+
+@pytest.fixture(autouse=True)
+def quiet_and_single_threaded(monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the CPU is shared
+    yield
+    torch.set_num_threads(threads)
+
+
+def base_config(files, out: Path, **overrides) -> DistillConfig:
+    values = dict(
+        target=files["target"], data=files["data"], output_dir=str(out), draft="truncate:1",
+        divergence="jsd", max_length=48, per_device_batch_size=4, max_steps=4, warmup_steps=1,
+        learning_rate=1e-2, lr_schedule="cosine", save_every=2, keep_checkpoints=None,
+        log_every=1, eval_every=2, eval_prompts=files["eval"], eval_num_prompts=2,
+        eval_max_new_tokens=6, heldout_fraction=0.1, heldout_max_rows=3, heldout_every=2,
+        on_policy_ratio=0.5, on_policy_max_new_tokens=10, on_policy_temperature=1.0, seed=3)
+    values.update(overrides)
+    return config_from_dict(DistillConfig, values)
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights_on_disk(directory: str) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(directory) / "model.safetensors"))
+
+
+# ------------------------------------------------------------------------------------------------
+# Config
+
+
+def test_config_keys_are_checked_and_the_shipped_configs_parse():
+    for name in ("smollm2-135m", "tiny"):
+        cfg = parse_config(DistillConfig, ["--config", str(REPO / "configs/distill" /
+                                                           f"{name}.yaml")])
+        assert cfg.draft.startswith("truncate:") and 0 < cfg.on_policy_ratio < 1
+    with pytest.raises(ValueError, match="did you mean 'divergence'"):
+        parse_config(DistillConfig, ["--divergance", "tvd"])
+    with pytest.raises(ValueError, match="choose one of"):
+        parse_config(DistillConfig, ["--divergence", "kl"])
+    with pytest.raises(ValueError, match="'on_policy_ratio' must be in"):
+        parse_config(DistillConfig, ["--on_policy_ratio", "1.5"])
+    with pytest.raises(ValueError, match="expected truncate:N"):
+        parse_config(DistillConfig, ["--draft", "trunc:6"])
+    with pytest.raises(ValueError, match="truncate:N needs a layer count"):
+        parse_config(DistillConfig, ["--draft", "truncate:x"])
+    with pytest.raises(ValueError, match="fresh:L drafts only"):
+        parse_config(DistillConfig, ["--draft_hidden_size", "64"])
+    with pytest.raises(ValueError, match="random weights"):
+        parse_config(DistillConfig, ["--draft", "fresh:2", "--lora"])
+    with pytest.raises(ValueError, match="both set"):
+        parse_config(DistillConfig, ["--heldout_data", "a.jsonl"])
+
+
+def test_on_policy_schedule_is_seeded_and_follows_the_ratio():
+    draws = [is_on_policy(7, i, 0.3) for i in range(4000)]
+    assert draws == [is_on_policy(7, i, 0.3) for i in range(4000)]  # a pure function
+    assert draws != [is_on_policy(8, i, 0.3) for i in range(4000)]
+    assert abs(sum(draws) / len(draws) - 0.3) < 0.03  # 4 sigma of a Bernoulli(0.3) mean
+    assert not any(is_on_policy(7, i, 0.0) for i in range(100))
+    assert all(is_on_policy(7, i, 1.0) for i in range(100))
+
+
+# ------------------------------------------------------------------------------------------------
+# The on-policy step
+
+
+def test_on_policy_batch_trains_on_exactly_the_tokens_the_draft_sampled(files, tmp_path):
+    cfg = base_config(files, tmp_path)
+    target = load_target(cfg.target)
+    rows, summary = load_distill_rows(cfg.data, target, cfg.max_length)
+    assert "16 with a response" in summary and "8 prompt-only" in summary
+    batch_rows = [r for r in rows if r["answered"]][:3] + [r for r in rows if not r["answered"]][:3]
+    batch = collate_distill(batch_rows, target.tokenizer.pad_token_id)
+    draft = build_draft(cfg, target)
+
+    recorded = []
+    original = draft.generate
+
+    def recording_generate(*args, **kwargs):
+        out = original(*args, **kwargs)
+        recorded.append((kwargs["input_ids"].shape[1], out))
+        return out
+
+    draft.generate = recording_generate
+    # more stop tokens than the target's one: some rows stop early, others run to the limit
+    eos = (*target.eos_token_ids, 10, 11, 12, 13)
+    for on_policy, expected_rows in ((True, [0, 1, 2, 3, 4, 5]), (False, [3, 4, 5])):
+        recorded.clear()
+        out, sampled_rows, sampled_tokens = draft_sampled_batch(
+            batch, draft, on_policy, max_new_tokens=cfg.on_policy_max_new_tokens,
+            temperature=1.0, eos_token_ids=eos, pad_token_id=1, max_length=cfg.max_length,
+            seed=11)
+        (width, generated), = recorded  # one batched generate call
+        assert sampled_rows == len(expected_rows)
+        total, lengths = 0, []
+        for i, b in enumerate(expected_rows):
+            new = generated[i, width:].tolist()
+            end = next((k for k, t in enumerate(new) if t in eos), None)
+            new = new if end is None else new[: end + 1]
+            lengths.append(len(new))
+            prompt = batch_rows[b]["prompt_ids"].tolist()
+            n = len(prompt) + len(new)
+            assert out["input_ids"][b, :n].tolist() == prompt + new
+            assert out["loss_mask"][b].tolist() == [0] * len(prompt) + [1] * len(new) + \
+                [0] * (out["loss_mask"].shape[1] - n)
+            assert out["attention_mask"][b].sum() == n
+            total += len(new)
+        assert sampled_tokens == total
+        assert min(lengths) < cfg.on_policy_max_new_tokens == max(lengths), lengths
+        for b in set(range(6)) - set(expected_rows):  # answered rows keep their data
+            n = len(batch_rows[b]["input_ids"])
+            assert out["input_ids"][b, :n].tolist() == batch_rows[b]["input_ids"].tolist()
+            assert out["loss_mask"][b, :n].tolist() == batch_rows[b]["loss_mask"].tolist()
+        # the same seed gives the same samples; the global random state is untouched
+        state = torch.get_rng_state()
+        again, _, _ = draft_sampled_batch(
+            batch, draft, on_policy, max_new_tokens=cfg.on_policy_max_new_tokens,
+            temperature=1.0, eos_token_ids=eos, pad_token_id=1, max_length=cfg.max_length,
+            seed=11)
+        assert torch.equal(again["input_ids"], out["input_ids"])
+        assert torch.equal(torch.get_rng_state(), state)
+
+    # the divergence is taken at the positions predicting the sampled tokens, and only there
+    out, _, _ = draft_sampled_batch(batch, draft, True, max_new_tokens=10, temperature=1.0,
+                                    eos_token_ids=eos, pad_token_id=1, max_length=48, seed=11)
+    loss, draft_logits, target_logits = distill_loss(draft, target, out, cfg)
+    keep = next_token_mask(out["loss_mask"]).bool()
+    assert draft_logits.shape == (int(out["loss_mask"].sum()), target.vocab_size)
+    full_draft = draft(input_ids=out["input_ids"], attention_mask=out["attention_mask"]).logits
+    with torch.no_grad():
+        full_target = target.model(input_ids=out["input_ids"],
+                                   attention_mask=out["attention_mask"]).logits
+    reference = divergence("jsd", full_draft, full_target, keep.float(), beta=cfg.beta)
+    torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-6)
+    loss.backward()
+    assert all(p.grad is not None for p in draft.parameters())
+    assert not any(p.requires_grad or p.grad is not None for p in target.model.parameters())
+
+
+def test_a_fresh_draft_has_the_target_vocabulary_and_its_own_size(files, tmp_path):
+    cfg = base_config(files, tmp_path, draft="fresh:1", draft_hidden_size=32)
+    target = load_target(cfg.target)
+    draft = build_draft(cfg, target)
+    assert draft.config.num_hidden_layers == 1 and draft.config.hidden_size == 32
+    assert draft.get_output_embeddings().weight.shape == (target.vocab_size, 32)
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in draft.parameters())
+
+
+# ------------------------------------------------------------------------------------------------
+# Training runs
+
+
+class StopAfter(GracefulStop):
+    """A stop request after ``STEPS`` optimizer steps, exactly as a SIGTERM would make one."""
+
+    STEPS = 2
+
+    def __enter__(self):
+        self.calls = 0
+        return super().__enter__()
+
+    def should_stop(self) -> bool:
+        self.calls += 1
+        if self.calls == self.STEPS:
+            self.request(f"a test stop after step {self.STEPS}")
+        return super().should_stop()
+
+
+@pytest.fixture(scope="module")
+def whole_run(files, tmp_path_factory):
+    """4 steps, on- and off-policy micro-batches mixed, uninterrupted."""
+    out = tmp_path_factory.mktemp("whole")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DRAFTSMITH_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+        patch.setenv("WANDB_MODE", "disabled")
+        result = main(base_config(files, out))
+    return out, result
+
+
+def test_training_moves_the_draft_only_and_logs_what_it_measures(files, whole_run):
+    out, result = whole_run
+    schedule = [is_on_policy(3, i, 0.5) for i in range(4)]
+    assert any(schedule) and not all(schedule), "seed 3 should mix on- and off-policy steps"
+    logged = records(out)
+    train = [r for r in logged if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert [r["on_policy"] for r in train] == [float(s) for s in schedule]
+    for r in train:
+        assert r["loss"] > 0 and 0 <= r["agreement"] <= 1 and r["tokens_per_s"] > 0
+        assert (r["sampled_tokens"] is not None) or not r["on_policy"]
+    heldout = [r for r in logged if "heldout/acceptance" in r]
+    assert [r["step"] for r in heldout] == [0, 2, 4]
+    assert all(0 < r["heldout/acceptance"] <= 1 and r["heldout/positions"] > 0 for r in heldout)
+    assert [r["step"] for r in logged if "eval/tau" in r] == [0, 2, 4]
+
+    target = result["target"]
+    on_disk = weights_on_disk(files["target"])
+    for name, tensor in target.model.state_dict().items():
+        if name in on_disk:
+            assert torch.equal(tensor, on_disk[name]), f"training changed the target's {name}"
+    assert not any(p.requires_grad for p in target.model.parameters())
+    assert not target.model.training
+
+    artifact = weights_on_disk(result["artifact"])
+    assert set(artifact) == {k for k in on_disk if not k.startswith("model.layers.1.")}
+    moved = [k for k in artifact if not torch.equal(artifact[k], on_disk[k])]
+    assert any("layers.0." in k for k in moved) and "model.embed_tokens.weight" in moved
+
+
+def test_the_exported_draft_works_in_eval_bench_and_transformers(files, whole_run):
+    out, result = whole_run
+    artifact = Path(result["artifact"])
+    info = read_draft_info(artifact)
+    assert info["method"] == "draft" and info["steps"] == 4 and info["divergence"] == "jsd"
+    assert (artifact / "tokenizer.json").is_file()
+    target = load_target(files["target"])
+    prompt = target.chat_ids("w1 w2 w3")
+
+    class Args:
+        draft_depth, draft_min_confidence = 4, 0.0
+
+    plain, speculative = build_methods(["plain", f"draft:{artifact}"], target, Args())
+    greedy = SamplingParams(temperature=0.0)
+    expected = plain.run(prompt, 12, greedy, seed=0).tokens
+    assert speculative.run(prompt, 12, greedy, seed=0).tokens == expected
+
+    assistant = AutoModelForCausalLM.from_pretrained(str(artifact))
+    ids = torch.tensor([prompt])
+    kwargs = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 1}
+    reference = target.model.generate(ids, **kwargs)
+    assisted = target.model.generate(ids, assistant_model=assistant, **kwargs)
+    assert torch.equal(assisted, reference)
+
+
+def test_resume_continues_exactly_through_on_policy_batches(files, whole_run, tmp_path,
+                                                            monkeypatch):
+    whole, result = whole_run
+    assert any(is_on_policy(3, i, 0.5) for i in (2, 3)), "steps 3-4 should hold on-policy ones"
+    monkeypatch.setattr(distill_module, "GracefulStop", StopAfter)
+    first = main(base_config(files, tmp_path))
+    assert first["step"] == 2 and first["stopped"] and first["artifact"] is None
+    monkeypatch.setattr(distill_module, "GracefulStop", GracefulStop)
+    rest = main(base_config(files, tmp_path, resume="latest"))
+    assert rest["step"] == 4
+
+    expected = [r for r in records(whole) if "loss" in r]
+    got = [r for r in records(tmp_path) if "loss" in r]
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for a, b in zip(expected, got, strict=True):
+        for key in ("loss", "agreement", "on_policy", "sampled_tokens", "lr"):
+            assert a[key] == b[key], (a["step"], key)
+    assert len({r["loss"] for r in expected}) == 4
+    a, b = weights_on_disk(result["artifact"]), weights_on_disk(rest["artifact"])
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.filterwarnings(PEFT_WARNING)
+def test_lora_trains_adapters_only_and_exports_merged_weights(files, tmp_path):
+    cfg = base_config(files, tmp_path, lora=True, lora_r=4, lora_alpha=8.0,
+                      lora_target_modules=["q_proj", "v_proj", "down_proj"], max_steps=2,
+                      eval_every=0, heldout_every=0, on_policy_ratio=1.0, learning_rate=5e-2)
+    target = load_target(cfg.target)
+    draft = build_draft(cfg, target)
+    trainable = [n for n, p in draft.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+
+    result = main(cfg)
+    artifact = weights_on_disk(result["artifact"])
+    on_disk = weights_on_disk(files["target"])
+    assert not any("lora" in k for k in artifact)
+    moved = {k for k in artifact if not torch.equal(artifact[k], on_disk[k])}
+    # adapters merged into the adapted matrices; every other weight is the frozen base
+    assert moved == {f"model.layers.0.{m}.weight"
+                     for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")}
+
+
+def test_a_draft_with_another_vocabulary_is_refused(files, tmp_path):
+    other = word_tokenizer()
+    other.add_tokens([f"x{i}" for i in range(12)])
+    draft_dir = save_tiny_llama(tmp_path / "other", len(other), other, seed=1)
+    with pytest.raises(ValueError, match="vocabulary mismatch"):
+        main(base_config(files, tmp_path / "run", draft=str(draft_dir)))

@@ -1,0 +1,701 @@
+"""Distillation trainer: a small draft LM learns the frozen target's next-token distributions.
+
+    accelerate launch train/distill.py --config configs/distill/smollm2-135m.yaml
+    python train/distill.py --config configs/distill/tiny.yaml --max_steps 20   # one process
+    torchrun --nproc_per_node 2 train/distill.py --config ...                    # two CPU processes
+
+The draft (``truncate:N``: a trainable copy of the target's first N layers; ``fresh:L``: a new
+L-layer model of the target's architecture; or a Hugging Face model directory sharing the target's
+tokenizer) is the only module prepared, optimised and checkpointed. The target stays frozen, in
+eval mode, bf16 on GPU. Every micro-batch is one of two kinds, chosen by a schedule that depends
+only on the seed and the micro-batch's index (so a resumed run makes the same choices):
+
+* **off-policy**: the data's own responses (or responses the target wrote itself:
+  ``python -m train.data regenerate``), the loss on their assistant tokens;
+* **on-policy** (DistillSpec / GKD), a fraction ``on_policy_ratio`` of the micro-batches: the draft
+  samples a continuation of each row's prompt (the conversation up to its first assistant turn,
+  rendered with the chat template) at ``on_policy_temperature``, stopping at an end-of-sequence
+  token or after ``on_policy_max_new_tokens``; the target scores prompt + continuation in one
+  forward and the divergence is taken on exactly the tokens the draft sampled.
+
+Rows without a response (prompt-only data such as ShareGPT first turns) have nothing to distil
+off-policy, so they are always trained on the draft's samples; with ``on_policy_ratio 0`` they are
+dropped (and the report says how to let the target answer them first).
+
+The loss is a divergence between the draft's and the target's distributions at ``temperature``
+(forward_kl, reverse_kl, jsd with ``beta``, tvd), computed only at the scored positions: both
+models return logits for those positions alone (``logits_to_keep`` with a boolean mask), so no
+(batch, seq, vocab) tensor exists. Full fine-tuning, or LoRA adapters through peft (``lora: true``)
+merged into plain weights at export.
+
+Logged to ``<output_dir>/metrics.jsonl`` (and W&B with ``report_to: wandb``): ``loss``,
+``agreement`` (argmax agreement: greedy acceptance per token), ``on_policy`` (fraction of
+micro-batches), ``sampled_tokens`` (mean continuation length of sampled rows); every
+``heldout_every`` steps ``heldout/acceptance`` (mean 1 - TVD at ``temperature``: the per-token
+acceptance rate of exact speculative sampling), ``heldout/agreement`` and ``heldout/<divergence>``
+on held-out rows excluded from training; every ``eval_every`` steps ``eval/tau`` and
+``eval/alpha`` measured by the speculative engine with the draft as proposer.
+
+At the end ``<output_dir>/artifact`` is a plain Hugging Face model directory with the target's
+tokenizer and a ``draftsmith`` block in config.json: ``python -m eval.bench --method
+draft:<output_dir>/artifact``, ``model.generate(..., assistant_model=...)`` in transformers, or a
+draft model in vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Literal
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from jinja2.exceptions import TemplateError
+from torch import nn
+
+from distill.draft import add_lora, fresh_draft, load_draft, merge_lora, save_draft
+from distill.losses import DIVERGENCES, argmax_agreement, divergence, next_token_mask, tvd
+from eval.proposers import DraftModelProposer
+from heads.target import Target, load_target
+from train.checkpoints import (
+    Checkpointer,
+    GracefulStop,
+    TrainState,
+    apply_learning_rate,
+    make_accelerator,
+    make_optimizer,
+    make_train_dataloader,
+    train_batches,
+)
+from train.config import TrainConfig, option, parse_config
+from train.data import collate_causal_lm, load_sft_dataset, read_conversations
+from train.tracking import AcceptanceEval, MetricsLogger
+
+FRESH_PREFIX = "fresh:"
+TRUNCATE_PREFIX = "truncate:"
+
+
+@dataclass
+class DistillConfig(TrainConfig):
+    """Knowledge distillation of a draft LM from the frozen target (train/distill.py)."""
+
+    draft: str = option(
+        "truncate:6", "the draft: truncate:N (a trainable copy of the target's first N layers), "
+        "fresh:L (a new L-layer model of the target's architecture) or a Hugging Face model "
+        "directory with the target's tokenizer")
+    draft_hidden_size: int | None = option(
+        None, "fresh:L only: the new model's hidden size (none: the target's; the embedding and "
+        "LM head then start as copies of the target's)")
+    divergence: Literal["forward_kl", "reverse_kl", "jsd", "tvd"] = option(
+        "jsd", "forward_kl = KL(target||draft), reverse_kl = KL(draft||target), jsd (generalised, "
+        "with beta), tvd (1 - tvd is the acceptance rate)")
+    beta: float = option(0.5, "jsd mixture weight of the target: 0 = forward_kl, 1 = reverse_kl")
+    temperature: float = option(
+        1.0, "both distributions are softmax(logits / temperature) in the loss and the held-out "
+        "1 - TVD")
+    chunk_size: int | None = option(
+        256, "positions per chunk of the divergence over the vocabulary (none: all at once)")
+
+    on_policy_ratio: float = option(
+        0.5, "fraction of micro-batches trained on the draft's own samples (0..1), drawn per "
+        "micro-batch from the seed; rows without a response are always sampled")
+    on_policy_max_new_tokens: int = option(
+        128, "longest continuation the draft samples (also the target's answers to prompt-only "
+        "held-out rows)")
+    on_policy_temperature: float = option(
+        1.0, "the draft's sampling temperature for on-policy continuations (0: greedy)")
+
+    lora: bool = option(False, "train LoRA adapters (peft) instead of every weight; merged at "
+                        "export")
+    lora_r: int = option(16, "LoRA rank")
+    lora_alpha: float = option(32.0, "LoRA alpha (the update is scaled by alpha / r)")
+    lora_dropout: float = option(0.0, "dropout on the LoRA input")
+    lora_target_modules: list[str] = option(
+        ["all-linear"], "modules that get adapters: all-linear (every linear layer but the LM "
+        "head) or names such as q_proj,v_proj")
+
+    heldout_fraction: float = option(
+        0.01, "fraction of the training rows held out (excluded from training) for the 1 - TVD "
+        "estimate; 0 with no heldout_data: no held-out estimate")
+    heldout_data: list[str] = option(
+        [], "held-out rows from these files instead of a fraction of the training data")
+    heldout_max_rows: int = option(64, "at most this many held-out rows")
+    heldout_every: int = option(
+        100, "estimate 1 - TVD on the held-out rows every N optimizer steps, at the start and "
+        "at the end (0: never)", may_change_on_resume=True)
+
+    draft_depth: int = option(6, "evaluation: most draft tokens per round",
+                              may_change_on_resume=True)
+    draft_min_confidence: float = option(
+        0.0, "evaluation: stop a chain after a token the draft gives less than this",
+        may_change_on_resume=True)
+    draft_branching: list[int] = option(
+        [], "evaluation: children per depth for a token tree (empty: a chain)",
+        may_change_on_resume=True)
+    draft_children: Literal["topk", "sample"] = option(
+        "topk", "evaluation tree children: the draft's top-k, or i.i.d. samples",
+        may_change_on_resume=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        kind, count = draft_kind(self.draft)
+        if kind == "directory" and not Path(self.draft).expanduser().is_dir():
+            raise ValueError(
+                f"config key 'draft' is {self.draft!r}: expected truncate:N (N target layers), "
+                f"fresh:L (a new model of L layers) or an existing model directory")
+        if self.draft_hidden_size is not None and kind != "fresh":
+            raise ValueError(f"config key 'draft_hidden_size' applies to fresh:L drafts only, "
+                             f"the draft is {self.draft!r}; remove it or use fresh:L")
+        if self.draft_hidden_size is not None and self.draft_hidden_size < 1:
+            raise ValueError(f"config key 'draft_hidden_size' must be >= 1, got "
+                             f"{self.draft_hidden_size}")
+        if self.lora and kind == "fresh":
+            raise ValueError("lora: true with a fresh:L draft would train adapters on random "
+                             "weights; train a fresh draft fully (lora: false), or give "
+                             "truncate:N or a pretrained directory")
+        for key, low, high in (("beta", 0.0, 1.0), ("on_policy_ratio", 0.0, 1.0)):
+            value = getattr(self, key)
+            if not low <= value <= high:
+                raise ValueError(f"config key {key!r} must be in [{low}, {high}], got {value}")
+        if not 0.0 <= self.heldout_fraction < 1.0:
+            raise ValueError(f"config key 'heldout_fraction' must be in [0, 1), got "
+                             f"{self.heldout_fraction}")
+        if self.heldout_data and self.heldout_fraction > 0:
+            raise ValueError("config keys 'heldout_data' and 'heldout_fraction' both set: hold out "
+                             "either given files (heldout_fraction 0) or a fraction of the "
+                             "training rows (heldout_data empty)")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"config key 'temperature' must be > 0, got {self.temperature}")
+        if not (math.isfinite(self.on_policy_temperature) and self.on_policy_temperature >= 0):
+            raise ValueError(f"config key 'on_policy_temperature' must be >= 0, got "
+                             f"{self.on_policy_temperature}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"config key 'lora_dropout' must be in [0, 1), got "
+                             f"{self.lora_dropout}")
+        if not self.lora_target_modules:
+            raise ValueError("config key 'lora_target_modules' is empty: give all-linear or "
+                             "module names such as q_proj,v_proj")
+        at_least = {"on_policy_max_new_tokens": 1, "lora_r": 1, "heldout_max_rows": 1,
+                    "heldout_every": 0, "draft_depth": 1, "chunk_size": 1}
+        for key, low in at_least.items():
+            value = getattr(self, key)
+            if value is not None and value < low:
+                raise ValueError(f"config key {key!r} must be >= {low}, got {value}")
+        if any(k < 1 for k in self.draft_branching):
+            raise ValueError(f"config key 'draft_branching' needs counts >= 1, got "
+                             f"{self.draft_branching}")
+        if self.divergence not in DIVERGENCES:  # Literal already checks; the loss module decides
+            raise ValueError(f"config key 'divergence' must be one of {DIVERGENCES}")
+
+
+def draft_kind(spec: str) -> tuple[str, int | None]:
+    """("truncate", N), ("fresh", L) or ("directory", None) for a ``draft`` value."""
+    for kind, prefix in (("truncate", TRUNCATE_PREFIX), ("fresh", FRESH_PREFIX)):
+        if spec.startswith(prefix):
+            text = spec[len(prefix):]
+            if not text.isdigit() or int(text) < 1:
+                raise ValueError(f"config key 'draft' is {spec!r}: {prefix}N needs a layer count "
+                                 f"N >= 1, e.g. {prefix}6")
+            return kind, int(text)
+    return "directory", None
+
+
+# ------------------------------------------------------------------------------------------------
+# Data: rows with a prompt for on-policy sampling and, when the data has one, a response
+
+
+def _prompt_of(messages: list[dict]) -> list[dict]:
+    """The conversation up to (excluding) its first assistant turn."""
+    roles = [m["role"] for m in messages]
+    return messages[: roles.index("assistant")] if "assistant" in roles else list(messages)
+
+
+def load_distill_rows(sources: Sequence[str], target: Target, max_length: int,
+                      keep_prompt_only: bool = True) -> tuple[list[dict], str]:
+    """Training rows and a report of what was used, skipped or dropped.
+
+    Each row holds ``prompt_ids`` (the conversation up to its first assistant turn, with the
+    target's chat template and generation prompt, as decoding will see it) and ``answered``; an
+    answered row also holds the whole conversation's ``input_ids`` and ``loss_mask`` (from
+    :func:`train.data.load_sft_dataset`), a prompt-only row its prompt as ``input_ids`` and an
+    all-zero ``loss_mask``. Prompt-only rows are dropped when ``keep_prompt_only`` is False, and
+    rows whose prompt leaves no room for a continuation within ``max_length`` always are.
+    """
+    tokenizer = target.tokenizer
+    conversations, _ = read_conversations(sources)
+    prompts = {(c["source"], c["row"]): _prompt_of(c["messages"]) for c in conversations}
+    answered_any = any(m["role"] == "assistant" for c in conversations for m in c["messages"])
+    lines: list[str] = []
+    rows: list[dict] = []
+    if answered_any:
+        dataset, report = load_sft_dataset(sources, tokenizer, max_length)
+        lines.append(report.summary())
+        for ids, mask, source, row in zip(dataset["input_ids"], dataset["loss_mask"],
+                                          dataset["source"], dataset["row"], strict=True):
+            rows.append({"input_ids": torch.tensor(ids, dtype=torch.int32),
+                         "loss_mask": torch.tensor(mask, dtype=torch.int8),
+                         "prompt": prompts[(source, row)], "answered": True})
+    prompt_only = [c for c in conversations
+                   if not any(m["role"] == "assistant" for m in c["messages"])]
+    no_user = 0
+    if keep_prompt_only:
+        for c in prompt_only:
+            if any(m["role"] == "user" for m in c["messages"]):
+                rows.append({"prompt": c["messages"], "answered": False})
+            else:
+                no_user += 1
+    answered_rows = sum(r["answered"] for r in rows)
+
+    texts, template_errors = [], 0
+    for row in rows:
+        try:
+            texts.append(tokenizer.apply_chat_template(row["prompt"], tokenize=False,
+                                                       add_generation_prompt=True))
+        except TemplateError:
+            texts.append(None)
+            template_errors += 1
+    encoded = tokenizer([t or "" for t in texts], add_special_tokens=False)["input_ids"]
+    kept, too_long = [], 0
+    for row, text, ids in zip(rows, texts, encoded, strict=True):
+        if text is None:
+            continue
+        if len(ids) >= max_length:  # not even one sampled token would fit
+            too_long += 1
+            continue
+        row["prompt_ids"] = torch.tensor(ids, dtype=torch.int32)
+        del row["prompt"]
+        if not row["answered"]:
+            row["input_ids"] = row["prompt_ids"]
+            row["loss_mask"] = torch.zeros(len(ids), dtype=torch.int8)
+        kept.append(row)
+
+    lines.append(f"distillation rows: {answered_rows} with a response (off- and on-policy), "
+                 f"{len(rows) - answered_rows} prompt-only (always on the draft's samples)")
+    if prompt_only and not keep_prompt_only:
+        lines.append(f"  dropped {len(prompt_only)} prompt-only rows: on_policy_ratio is 0, so "
+                     f"nothing would be trained on them; let the target answer them first "
+                     f"(python -m train.data regenerate --help) or raise on_policy_ratio")
+    elif prompt_only:
+        lines.append("  (rows counted above as skipped for 'no assistant turn' are these "
+                     "prompt-only rows)")
+    if no_user:
+        lines.append(f"  dropped {no_user} prompt-only rows without a user turn")
+    if template_errors:
+        lines.append(f"  dropped {template_errors} rows whose prompt the chat template refused")
+    if too_long:
+        lines.append(f"  dropped {too_long} rows whose prompt has max_length {max_length} tokens "
+                     f"or more (no room for a continuation)")
+    if not kept:
+        raise ValueError(f"no usable distillation rows in {list(sources)}:\n" + "\n".join(lines))
+    return kept, "\n".join(lines)
+
+
+def split_heldout(rows: list[dict], fraction: float, max_rows: int,
+                  seed: int) -> tuple[list[dict], list[dict]]:
+    """(training rows, held-out rows): a seeded random ``fraction`` (at most ``max_rows``)."""
+    if fraction <= 0 or len(rows) < 2:
+        return rows, []
+    count = min(max_rows, max(1, round(fraction * len(rows))), len(rows) - 1)
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+    held = set(order[:count])
+    return ([r for i, r in enumerate(rows) if i not in held],
+            [r for i, r in enumerate(rows) if i in held])
+
+
+def collate_distill(rows: Sequence[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """:func:`train.data.collate_causal_lm`'s batch plus the rows' prompts.
+
+    Adds ``prompt_ids`` (batch, longest prompt) right-padded, ``prompt_length`` (batch,) and
+    ``answered`` (batch,) bool.
+    """
+    batch = collate_causal_lm(rows, pad_token_id)
+    width = max(len(r["prompt_ids"]) for r in rows)
+    prompt_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    for b, row in enumerate(rows):
+        prompt_ids[b, : len(row["prompt_ids"])] = torch.as_tensor(row["prompt_ids"])
+    batch["prompt_ids"] = prompt_ids
+    batch["prompt_length"] = torch.tensor([len(r["prompt_ids"]) for r in rows])
+    batch["answered"] = torch.tensor([bool(r["answered"]) for r in rows])
+    return batch
+
+
+# ------------------------------------------------------------------------------------------------
+# On-policy batches
+
+
+def _seed_from(*parts: int) -> int:
+    """A 32-bit seed mixing ``parts`` (numpy's SeedSequence: nearby inputs, unrelated seeds)."""
+    return int(np.random.SeedSequence([p & 0xFFFFFFFFFFFFFFFF for p in parts])
+               .generate_state(1)[0])
+
+
+def is_on_policy(seed: int, micro_batch: int, ratio: float) -> bool:
+    """Whether global micro-batch ``micro_batch`` (step x accumulation + index) is on-policy.
+
+    A Bernoulli(ratio) draw from (seed, micro_batch) alone: the same on every process, in every
+    rerun and after a resume.
+    """
+    if ratio <= 0.0:
+        return False
+    if ratio >= 1.0:
+        return True
+    return bool(np.random.default_rng(_seed_from(seed, 0, micro_batch)).random() < ratio)
+
+
+@torch.no_grad()
+def sample_continuations(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                         temperature: float, eos_token_ids: Sequence[int], pad_token_id: int,
+                         seed: int, autocast=None) -> list[list[int]]:
+    """The model's continuation of each prompt, up to and including its first end-of-sequence
+    token, or ``max_new_tokens`` long. One left-padded batched ``generate`` in eval mode.
+
+    Sampling is from softmax(logits / temperature) with no top-k / top-p (0: greedy), seeded by
+    ``seed`` alone; the global random state is left as it was.
+    """
+    from transformers import GenerationConfig
+
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    # left padding: every row's next token is generated at the same column
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)  # (rows, width)
+    attention_mask = torch.zeros_like(input_ids)
+    for b, prompt in enumerate(prompts):
+        input_ids[b, width - len(prompt):] = torch.as_tensor(list(prompt))
+        attention_mask[b, width - len(prompt):] = 1
+    eos = [int(i) for i in eos_token_ids]
+    sampling = ({"do_sample": True, "temperature": float(temperature), "top_k": 0, "top_p": 1.0}
+                if temperature > 0 else {"do_sample": False})
+    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos,
+                              pad_token_id=pad_token_id, use_cache=True, **sampling)
+    was_training = model.training
+    model.eval()
+    rng_devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=rng_devices), (autocast or contextlib.nullcontext()):
+            torch.manual_seed(seed)
+            output = model.generate(input_ids=input_ids.to(device),
+                                    attention_mask=attention_mask.to(device),
+                                    generation_config=config)  # (rows, width + new)
+    finally:
+        model.train(was_training)
+    continuations = []
+    for tokens in output[:, width:].tolist():
+        end = next((k for k, t in enumerate(tokens) if t in eos), None)
+        continuations.append(tokens if end is None else tokens[: end + 1])
+    return continuations
+
+
+def draft_sampled_batch(batch: dict, draft: nn.Module, on_policy: bool, *, max_new_tokens: int,
+                        temperature: float, eos_token_ids: Sequence[int], pad_token_id: int,
+                        max_length: int, seed: int, autocast=None) -> tuple[dict, int, int]:
+    """The micro-batch to train on, and (rows sampled, tokens sampled).
+
+    Rows to sample (every row when ``on_policy``, else the prompt-only ones) become prompt + the
+    draft's continuation (cut to ``max_length``), with ``loss_mask`` 1 exactly on the sampled
+    tokens; the other rows keep their data. Returned right-padded as
+    :func:`train.data.collate_causal_lm` pads, on the batch's device. ``draft`` is the unwrapped
+    model (``generate`` under no_grad).
+    """
+    answered = batch["answered"].tolist()
+    chosen = [b for b, has_response in enumerate(answered) if on_policy or not has_response]
+    if not chosen:
+        return batch, 0, 0
+    lengths = batch["prompt_length"].tolist()
+    prompts = [batch["prompt_ids"][b, : lengths[b]].tolist() for b in chosen]
+    budget = min(max_new_tokens, max_length - min(len(p) for p in prompts))
+    continuations = sample_continuations(draft, prompts, budget, temperature, eos_token_ids,
+                                         pad_token_id, seed, autocast)
+    sampled = dict(zip(chosen, zip(prompts, continuations, strict=True), strict=True))
+    sizes = batch["attention_mask"].sum(-1).tolist()
+    rows, new_tokens = [], 0
+    for b in range(len(answered)):
+        if b in sampled:
+            prompt, new = sampled[b]
+            new = new[: max_length - len(prompt)]
+            new_tokens += len(new)
+            rows.append({"input_ids": prompt + new, "loss_mask": [0] * len(prompt) + [1] * len(new)})
+        else:
+            rows.append({"input_ids": batch["input_ids"][b, : sizes[b]].cpu(),
+                         "loss_mask": batch["loss_mask"][b, : sizes[b]].cpu()})
+    device = batch["input_ids"].device
+    out = {k: v.to(device) for k, v in collate_causal_lm(rows, pad_token_id).items()}
+    return out, len(chosen), new_tokens
+
+
+# ------------------------------------------------------------------------------------------------
+# The draft and the loss
+
+
+def build_draft(cfg: DistillConfig, target: Target) -> nn.Module:
+    """The trainable draft: float32 master weights (autocast runs it in bf16 on GPU), a copy
+    that shares nothing with the target, wrapped in LoRA adapters when ``cfg.lora``."""
+    kind, count = draft_kind(cfg.draft)
+    if kind == "fresh":
+        draft = fresh_draft(target, num_layers=count, hidden_size=cfg.draft_hidden_size,
+                            seed=cfg.seed)
+    else:
+        # truncate:N -> an independent copy; a directory -> its vocabulary/tokenizer checked
+        draft = load_draft(cfg.draft, target, trainable=True)
+    draft = draft.float()
+    if cfg.lora:
+        modules = cfg.lora_target_modules
+        draft = add_lora(draft, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                         target_modules="all-linear" if modules == ["all-linear"] else modules)
+    return draft
+
+
+def inference_model(module: nn.Module) -> nn.Module:
+    """The Hugging Face model inside a peft wrapper (adapters active), else ``module``."""
+    from peft import PeftModel
+
+    return module.get_base_model() if isinstance(module, PeftModel) else module
+
+
+def distill_loss(model: nn.Module, target: Target, batch: dict, cfg: DistillConfig,
+                 reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, draft_logits, target_logits) over the positions that predict loss-mask tokens.
+
+    Both logits are (n, vocab) for the n positions t with ``loss_mask[:, t + 1] = 1``, in the
+    batch's row-major order: the models compute their LM head at those positions only.
+    """
+    keep = next_token_mask(batch["loss_mask"]).bool()  # (batch, seq)
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+              "logits_to_keep": keep, "use_cache": False}
+    with torch.no_grad():
+        target_logits = target.model(**inputs).logits  # (n, vocab)
+    draft_logits = model(**inputs).logits  # (n, vocab)
+    mask = torch.ones(draft_logits.shape[:-1], device=draft_logits.device)  # (n,)
+    loss = divergence(cfg.divergence, draft_logits, target_logits, mask,
+                      temperature=cfg.temperature, beta=cfg.beta, chunk_size=cfg.chunk_size,
+                      reduction=reduction)
+    return loss, draft_logits, target_logits
+
+
+# ------------------------------------------------------------------------------------------------
+# Held-out estimate of the acceptance rate
+
+
+class HeldOutAcceptance:
+    """Mean 1 - TVD (acceptance of exact speculative sampling at ``temperature``), argmax
+    agreement and the training divergence of the draft against the target on held-out rows.
+
+    Rows without a response are answered once, here, by the target itself (sampled at
+    ``temperature``, seeded): acceptance is measured along text the target writes. Each process
+    scores its share of the rows; the sums are reduced and the main process logs
+    ``heldout/...`` records. Nothing random is drawn, so evaluations never change training.
+    """
+
+    def __init__(self, accelerator: Accelerator, cfg: DistillConfig, target: Target,
+                 rows: list[dict], metrics: MetricsLogger, pad_token_id: int):
+        self.accelerator = accelerator
+        self.cfg = cfg
+        self.target = target
+        self.metrics = metrics
+        self.pad_token_id = pad_token_id
+        self.every = cfg.heldout_every if rows else 0
+        self.batches: list[dict] = []
+        if not self.every:
+            return
+        mine = rows[accelerator.process_index::accelerator.num_processes]
+        size = cfg.per_device_batch_size
+        device = accelerator.device
+        for start in range(0, len(mine), size):
+            chunk = mine[start:start + size]
+            batch = collate_distill(chunk, pad_token_id)
+            batch = {k: v.to(device) for k, v in batch.items()}
+            # the target answers the prompt-only rows: on_policy True would answer all of them
+            batch, _, _ = draft_sampled_batch(
+                batch, target.model, False, max_new_tokens=cfg.on_policy_max_new_tokens,
+                temperature=cfg.temperature, eos_token_ids=target.eos_token_ids,
+                pad_token_id=pad_token_id, max_length=cfg.max_length,
+                seed=_seed_from(cfg.seed, 2, accelerator.process_index, start))
+            self.batches.append({k: batch[k] for k in ("input_ids", "attention_mask",
+                                                       "loss_mask")})
+
+    def due(self, state: TrainState) -> bool:
+        return bool(self.every) and (state.step % self.every == 0 or state.done)
+
+    def maybe_run(self, state: TrainState, model: nn.Module, force: bool = False) -> dict | None:
+        """Estimate when due (or ``force``); every process calls it. Returns the record (main)."""
+        if not self.every or not (force or self.due(state)):
+            return None
+        accelerator = self.accelerator
+        module = accelerator.unwrap_model(model)
+        was_training = module.training
+        # float64 sums: (1 - tvd), agreement, divergence, positions
+        sums = torch.zeros(4, dtype=torch.float64, device=accelerator.device)
+        with self.metrics.paused(), torch.no_grad(), accelerator.autocast():
+            module.eval()
+            try:
+                for batch in self.batches:
+                    loss, draft_logits, target_logits = distill_loss(
+                        module, self.target, batch, self.cfg, reduction="sum")
+                    n = draft_logits.shape[0]
+                    ones = torch.ones(n, device=draft_logits.device)
+                    rejected = tvd(draft_logits, target_logits, ones,
+                                   temperature=self.cfg.temperature,
+                                   chunk_size=self.cfg.chunk_size, reduction="sum")
+                    agree = argmax_agreement(draft_logits, target_logits, ones) * n
+                    sums += torch.stack([n - rejected.double(), agree.double(),
+                                         loss.double(), torch.tensor(float(n), dtype=torch.float64,
+                                                                     device=sums.device)])
+            finally:
+                module.train(was_training)
+        if accelerator.num_processes > 1:
+            sums = accelerator.reduce(sums, reduction="sum")
+        accepted, agree, loss_sum, count = sums.tolist()
+        if not accelerator.is_main_process or not count:
+            return None
+        record = {"step": state.step, "heldout/acceptance": accepted / count,
+                  "heldout/agreement": agree / count,
+                  f"heldout/{self.cfg.divergence}": loss_sum / count,
+                  "heldout/positions": int(count)}
+        self.metrics.log(record)
+        self.metrics.bar.write(f"[draftsmith] step {state.step}: held-out 1 - TVD "
+                               f"{record['heldout/acceptance']:.4f}, argmax agreement "
+                               f"{record['heldout/agreement']:.4f} over {int(count)} positions")
+        return record
+
+
+# ------------------------------------------------------------------------------------------------
+# The run
+
+
+def _refuse_sharded(accelerator: Accelerator) -> None:
+    sharded = accelerator.distributed_type == DistributedType.FSDP or (
+        accelerator.distributed_type == DistributedType.DEEPSPEED
+        and accelerator.state.deepspeed_plugin.zero_stage == 3)
+    if sharded:
+        raise ValueError("train/distill.py samples from the draft and exports it from one "
+                         "process, which needs its whole weights there: launch with DDP "
+                         "(configs/accelerate/multi_gpu.yaml) or DeepSpeed ZeRO-2, not FSDP / "
+                         "ZeRO-3 (a draft small enough to pay off fits on one device)")
+
+
+def main(cfg: DistillConfig) -> dict:
+    """Train, checkpoint and export; returns step, stop message, artifact path, target, draft."""
+    accelerator = make_accelerator(cfg)  # first: seeds before any weights
+    _refuse_sharded(accelerator)
+    target = load_target(cfg.target, device=accelerator.device)  # frozen; never prepared
+    pad_id = target.tokenizer.pad_token_id
+    pad_id = target.eos_token_ids[0] if pad_id is None else pad_id
+
+    with accelerator.main_process_first():  # data
+        rows, summary = load_distill_rows(cfg.data, target, cfg.max_length,
+                                          keep_prompt_only=cfg.on_policy_ratio > 0)
+        if cfg.heldout_data:
+            heldout_rows, heldout_summary = load_distill_rows(cfg.heldout_data, target,
+                                                              cfg.max_length)
+            heldout_rows = heldout_rows[: cfg.heldout_max_rows]
+            summary += f"\nheld-out data ({len(heldout_rows)} rows used):\n{heldout_summary}"
+        else:
+            rows, heldout_rows = split_heldout(rows, cfg.heldout_fraction, cfg.heldout_max_rows,
+                                               cfg.seed)
+            summary += (f"\nheld out {len(heldout_rows)} of them for the 1 - TVD estimate; "
+                        f"{len(rows)} rows to train on")
+    accelerator.print(summary)
+    loader = make_train_dataloader(rows, cfg, accelerator,
+                                   partial(collate_distill, pad_token_id=pad_id))
+
+    draft = build_draft(cfg, target)  # model: the only trainable module
+    optimizer = make_optimizer(draft, cfg)
+    model, optimizer, loader = accelerator.prepare(draft, optimizer, loader)
+    checkpointer = Checkpointer(accelerator, cfg, target.identity(), loader)
+    state = checkpointer.resume()
+    metrics = MetricsLogger(accelerator, cfg, state)
+    acceptance = AcceptanceEval(
+        accelerator, cfg, target,
+        lambda module: DraftModelProposer(
+            inference_model(module), max_depth=cfg.draft_depth,
+            min_confidence=cfg.draft_min_confidence, branching=cfg.draft_branching or None,
+            children=cfg.draft_children),
+        metrics)
+    heldout = HeldOutAcceptance(accelerator, cfg, target, heldout_rows, metrics, pad_id)
+    if state.step == 0:  # where the draft starts, for comparison
+        heldout.maybe_run(state, model, force=True)
+        acceptance.maybe_run(state, model, force=True)
+
+    sampling = {"max_new_tokens": cfg.on_policy_max_new_tokens,
+                "temperature": cfg.on_policy_temperature, "eos_token_ids": target.eos_token_ids,
+                "pad_token_id": pad_id, "max_length": cfg.max_length}
+    accumulation = accelerator.gradient_accumulation_steps
+    micro = 0  # micro-batches since the last optimizer step
+    saved = stopped = None
+    with GracefulStop(accelerator) as stop:  # loop
+        for batch in train_batches(loader, state):
+            index = state.step * accumulation + micro
+            on_policy = is_on_policy(cfg.seed, index, cfg.on_policy_ratio)
+            batch, sampled_rows, sampled_tokens = draft_sampled_batch(
+                batch, accelerator.unwrap_model(model), on_policy,
+                seed=_seed_from(cfg.seed, 1, index, accelerator.process_index),
+                autocast=accelerator.autocast(), **sampling)
+            micro += 1
+            with accelerator.accumulate(model):
+                lr = apply_learning_rate(optimizer, cfg, state)
+                loss, draft_logits, target_logits = distill_loss(model, target, batch, cfg)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and cfg.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            n = draft_logits.shape[0]
+            ones = torch.ones(n, device=draft_logits.device)
+            metrics.add("loss", loss.detach())
+            metrics.add("agreement", argmax_agreement(draft_logits, target_logits, ones) * n, n)
+            metrics.add("on_policy", float(on_policy))
+            metrics.add("sampled_tokens", sampled_tokens, sampled_rows)
+            metrics.count_tokens(batch["attention_mask"].sum())
+            del draft_logits, target_logits
+            if not accelerator.sync_gradients:
+                continue
+            micro = 0
+            state.step += 1
+            stopping = stop.should_stop()  # every process, every step
+            metrics.step(state, force=stopping or state.done, lr=lr)
+            heldout.maybe_run(state, model)
+            acceptance.maybe_run(state, model)
+            if checkpointer.due(state) or stopping or state.done:  # checkpoint
+                saved = checkpointer.save(state)
+            if stopping:
+                stopped = stop.message(state, saved)
+                accelerator.print(stopped)
+                break
+            if state.done:
+                break
+
+    accelerator.wait_for_everyone()  # export: the merged plain model, from the main process
+    module = accelerator.unwrap_model(model)
+    artifact = None
+    if accelerator.is_main_process and stopped is None:
+        plain = merge_lora(module) if cfg.lora else module
+        plain.eval()
+        artifact = save_draft(plain, target.tokenizer, Path(cfg.output_dir) / "artifact",
+                              target.identity(), extra={
+                                  "trainer": "train/distill.py", "draft": cfg.draft,
+                                  "divergence": cfg.divergence, "beta": cfg.beta,
+                                  "temperature": cfg.temperature,
+                                  "on_policy_ratio": cfg.on_policy_ratio, "lora": cfg.lora,
+                                  "steps": state.step})
+        module = plain
+        accelerator.print(f"[draftsmith] draft written to {artifact}; measure it with "
+                          f"python -m eval.bench --target {cfg.target} --method plain "
+                          f"--method draft:{artifact} --prompts {cfg.eval_prompts}")
+    accelerator.wait_for_everyone()
+    metrics.close()
+    accelerator.end_training()
+    return {"step": state.step, "stopped": stopped, "artifact": artifact, "target": target,
+            "draft": module}
+
+
+if __name__ == "__main__":
+    main(parse_config(DistillConfig))

@@ -1,0 +1,317 @@
+"""EAGLE trainer: one decoder layer learns to autoregress in the frozen target's feature space.
+
+    accelerate launch train/eagle.py --config configs/eagle/smollm2-135m.yaml          # EAGLE-3
+    accelerate launch train/eagle.py --config configs/eagle/smollm2-135m-eagle1.yaml   # EAGLE-1
+    python train/eagle.py --config configs/eagle/tiny.yaml                             # one process
+    torchrun --nproc_per_node 2 train/eagle.py --config ...                            # two CPU procs
+
+EAGLE-1 (``version: 1``) reads the target's final-normed hidden state and regresses the next one
+(SmoothL1) plus ``ce_weight`` x the cross-entropy against the target's next-token distribution,
+with uniform noise of amplitude ``feature_noise`` on its input features. EAGLE-3 (``version: 3``)
+fuses three hidden states of the target (low, mid, high: ``aux_layer_ids``), predicts over a
+reduced draft vocabulary (the ``draft_vocab_size`` most frequent assistant tokens of the training
+data) and is trained by training-time test: ``ttt_steps`` unrolled steps on its own features, step
+i weighted ``ttt_decay``^i. The losses and the head live in ``heads/eagle.py``; this script only
+feeds them.
+
+Features come from the frozen target in one of two ways (``feature_mode``), giving the same batches:
+
+* ``online``: the target runs on every batch inside the step (no disk, the target's cost every
+  epoch);
+* ``offline``: the target runs once over the data before training and its hidden states are read
+  back from a cache (``feature_cache_dir``, default ``<output_dir>/features``); this pays off over
+  several epochs. Disk: about 4.6 KB per token for EAGLE-3 on smollm2-135m in bf16 (see
+  ``train/eagle_features.py``).
+
+Training data is what ``train.data.load_sft_dataset`` reads. EAGLE recommends answers the target
+wrote itself; write them first with ``python -m train.data regenerate`` (see the configs). The
+draft vocabulary (``d2t``/``t2d``) is computed from the data's assistant tokens the same way on
+every process, saved with the head in every checkpoint and checked again on resume.
+
+Logged to ``<output_dir>/metrics.jsonl`` (and W&B with ``report_to: wandb``): ``loss``, ``lr``,
+``tokens_per_s`` (every token the target and head processed), ``peak_memory_gb``; EAGLE-1
+``feature_loss``, ``ce_loss``, ``acc_0``; EAGLE-3 ``ce_loss_<i>`` and ``acc_<i>`` (top-1 agreement
+with the target at training-time-test step i); at step 0 the data report (``data/...``) and the
+draft vocabulary's coverage of the assistant tokens; every ``eval_every`` steps ``eval/tau`` and
+``eval/alpha`` measured by the speculative engine with the head's EAGLE-2 tree on held-out prompts
+(``eval_prompts``, MT-bench by default, never trained on).
+
+At the end ``<output_dir>/artifact`` holds the head (``python -m heads.export`` turns it into the
+vLLM, SGLang and speculators layouts; ``python -m eval.bench --method eagle:<artifact>``
+measures it).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Literal
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from eval.eagle import DEFAULT_DEPTH, DEFAULT_TOPK, DEFAULT_TOTAL_TOKENS, EagleProposer
+from heads.artifact import save_artifact
+from heads.eagle import (
+    DEFAULT_CE_WEIGHT,
+    DEFAULT_STEP_DECAY,
+    DEFAULT_TTT_STEPS,
+    EagleConfig,
+    EagleHead,
+    EagleLoss,
+    build_draft_vocab,
+    count_tokens,
+    target_features,
+)
+from heads.target import Target, load_target
+from train.checkpoints import (
+    Checkpointer,
+    GracefulStop,
+    apply_learning_rate,
+    make_accelerator,
+    make_optimizer,
+    make_train_dataloader,
+    train_batches,
+)
+from train.config import TrainConfig, option, parse_config
+from train.data import collate_causal_lm, load_sft_dataset
+from train.eagle_features import FeatureCache, collate_features, write_feature_cache
+from train.tracking import AcceptanceEval, MetricsLogger
+
+
+@dataclass
+class EagleTrainConfig(TrainConfig):
+    """Train an EAGLE-1 or EAGLE-3 head on a frozen target (train/eagle.py)."""
+
+    version: Literal[1, 3] = option(
+        3, "3: EAGLE-3 (fused low/mid/high features, training-time test, reduced draft "
+        "vocabulary); 1: EAGLE-1 (last-layer feature regression)")
+    aux_layer_ids: list[int] | None = option(
+        None, "EAGLE-3: the three target hidden-state indices the head fuses (index i = input of "
+        "decoder layer i, vLLM's convention), ascending in 1..L-1 (none: 2, L//2, L-3)")
+    draft_vocab_size: int | None = option(
+        None, "EAGLE-3: size of the draft vocabulary, the most frequent assistant tokens of the "
+        "training data (none: the target's whole vocabulary)")
+    ttt_steps: int = option(DEFAULT_TTT_STEPS, "EAGLE-3: training-time-test steps unrolled")
+    ttt_decay: float = option(DEFAULT_STEP_DECAY, "EAGLE-3: loss weight of step i is decay^i")
+    feature_noise: float | None = option(
+        None, "amplitude of uniform noise on the input features while training (none: the "
+        "recipe's own, 0.2 for EAGLE-1 as in the paper, 0 for EAGLE-3)")
+    ce_weight: float = option(
+        DEFAULT_CE_WEIGHT, "EAGLE-1: weight of the cross-entropy against the target's "
+        "distribution next to the feature regression")
+    feature_mode: Literal["online", "offline"] = option(
+        "online", "online: run the target inside every step; offline: once over the data into a "
+        "feature cache, then train from disk (same batches; may change on resume)",
+        may_change_on_resume=True)
+    feature_cache_dir: str | None = option(
+        None, "offline mode: the feature cache directory (none: <output_dir>/features); a cache "
+        "written for the same target, head layers and data is reused", may_change_on_resume=True)
+    tree_depth: int = option(DEFAULT_DEPTH, "evaluation: EAGLE-2 tree depth",
+                             may_change_on_resume=True)
+    tree_topk: int = option(DEFAULT_TOPK, "evaluation: children per expanded tree node",
+                            may_change_on_resume=True)
+    tree_nodes: int = option(DEFAULT_TOTAL_TOKENS, "evaluation: draft tokens per tree",
+                             may_change_on_resume=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.version == 1:
+            only_eagle3 = {"aux_layer_ids": (self.aux_layer_ids, None),
+                           "draft_vocab_size": (self.draft_vocab_size, None),
+                           "ttt_steps": (self.ttt_steps, DEFAULT_TTT_STEPS),
+                           "ttt_decay": (self.ttt_decay, DEFAULT_STEP_DECAY)}
+            for key, (value, default) in only_eagle3.items():
+                if value != default:
+                    raise ValueError(f"config key {key!r} applies to EAGLE-3 only, but version "
+                                     f"is 1 and {key} is {value!r}; remove it or set version: 3")
+        elif self.ce_weight != DEFAULT_CE_WEIGHT:
+            raise ValueError(f"config key 'ce_weight' applies to EAGLE-1 only (EAGLE-3 is trained "
+                             f"on the cross-entropy alone), got {self.ce_weight}; remove it or "
+                             f"set version: 1")
+        if self.aux_layer_ids is not None and len(self.aux_layer_ids) != 3:
+            raise ValueError(f"config key 'aux_layer_ids' needs three hidden-state indices (low, "
+                             f"mid, high), got {self.aux_layer_ids}")
+        at_least = {"draft_vocab_size": 1, "ttt_steps": 1, "tree_depth": 1, "tree_topk": 1,
+                    "tree_nodes": 1}
+        for key, low in at_least.items():
+            value = getattr(self, key)
+            if value is not None and value < low:
+                raise ValueError(f"config key {key!r} must be >= {low}, got {value}")
+        if not 0 < self.ttt_decay <= 1:
+            raise ValueError(f"config key 'ttt_decay' must be in (0, 1], got {self.ttt_decay}")
+        for key in ("feature_noise", "ce_weight"):
+            value = getattr(self, key)
+            if value is not None and value < 0:
+                raise ValueError(f"config key {key!r} must be >= 0, got {value}")
+        if self.feature_cache_dir is not None and self.feature_mode != "offline":
+            raise ValueError(f"config key 'feature_cache_dir' is set ({self.feature_cache_dir!r}) "
+                             f"but feature_mode is {self.feature_mode!r}; set feature_mode: "
+                             f"offline to train from the cache, or remove feature_cache_dir")
+
+
+# ------------------------------------------------------------------------------------------------
+# The head and its draft vocabulary
+
+
+def head_config(cfg: EagleTrainConfig, target: Target) -> EagleConfig:
+    """The head's shapes: one layer shaped like the target's, reading the configured features."""
+    return EagleConfig.from_target(target, cfg.version, draft_vocab_size=cfg.draft_vocab_size,
+                                   aux_layer_ids=cfg.aux_layer_ids)
+
+
+def draft_vocabulary(dataset, config: EagleConfig) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(d2t, t2d, coverage): the draft vocabulary of the training data's assistant tokens.
+
+    A pure function of the data, so every process computes the same maps and a resumed run
+    recomputes them (and checks them against the checkpoint's). ``coverage`` is the fraction of
+    assistant tokens whose target id has a draft id.
+    """
+    counts = count_tokens(dataset["input_ids"], config.vocab_size, dataset["loss_mask"])
+    d2t, t2d = build_draft_vocab(counts, config.draft_vocab_size)
+    coverage = float(counts[t2d].sum()) / max(1, int(counts.sum()))
+    return d2t, t2d, coverage
+
+
+def check_resumed_vocabulary(head: EagleHead, d2t: torch.Tensor, t2d: torch.Tensor,
+                             resumed_from) -> None:
+    """The checkpoint's maps (loaded into the head) must be the ones this run's data gives."""
+    if head.version != 3 or resumed_from is None:
+        return
+    if not (torch.equal(head.d2t.cpu(), d2t.cpu()) and torch.equal(head.t2d.cpu(), t2d.cpu())):
+        raise ValueError(
+            f"cannot resume from {resumed_from}: its draft vocabulary (d2t/t2d) differs from the "
+            f"one the training data gives now ({int((head.t2d.cpu() != t2d.cpu()).sum())} target "
+            f"ids differ), so the data changed; resume with the data the run started with, or "
+            f"start a new run in another --output_dir")
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory of this process so far: the device's allocator on CUDA, resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30
+
+
+# ------------------------------------------------------------------------------------------------
+# The run
+
+
+def main(cfg: EagleTrainConfig) -> dict:
+    """Train, checkpoint and export; returns step, stop message, artifact path, data report,
+    target and the trained head (unwrapped)."""
+    accelerator = make_accelerator(cfg)  # first: seeds before any weights
+    target = load_target(cfg.target, device=accelerator.device)  # frozen; never prepared
+    pad_id = target.tokenizer.pad_token_id
+    pad_id = target.eos_token_ids[0] if pad_id is None else pad_id
+
+    with accelerator.main_process_first():  # data
+        dataset, report = load_sft_dataset(cfg.data, target.tokenizer, cfg.max_length)
+    accelerator.print(report.summary())
+    config = head_config(cfg, target)
+    d2t, t2d, coverage = draft_vocabulary(dataset, config)
+    if config.version == 3:
+        accelerator.print(f"[draftsmith] draft vocabulary: {config.draft_vocab_size} of "
+                          f"{config.vocab_size} target tokens, covering {coverage:.2%} of the "
+                          f"training data's assistant tokens")
+    if cfg.feature_mode == "offline":
+        cache_dir = Path(cfg.feature_cache_dir or Path(cfg.output_dir) / "features")
+        with accelerator.main_process_first():  # one process writes, the others reuse it
+            write_feature_cache(target, dataset, cache_dir, config,
+                                batch_size=cfg.per_device_batch_size,
+                                progress=accelerator.is_main_process)
+        rows = FeatureCache(cache_dir, config, target)
+        collate = partial(collate_features, pad_token_id=pad_id)
+    else:
+        rows = dataset
+        collate = partial(collate_causal_lm, pad_token_id=pad_id)
+    loader = make_train_dataloader(rows, cfg, accelerator, collate)
+
+    # model: fp32 master weights (accelerate's autocast runs them in bf16 on GPU); the loss
+    # wraps the head so that the whole training-time test is one DDP forward
+    head = EagleHead(config, target, d2t=d2t, t2d=t2d, dtype=torch.float32)
+    model = EagleLoss(head, steps=cfg.ttt_steps, decay=cfg.ttt_decay,
+                      feature_noise=cfg.feature_noise, ce_weight=cfg.ce_weight)
+    optimizer = make_optimizer(model, cfg)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    checkpointer = Checkpointer(accelerator, cfg, target.identity(), loader)
+    state = checkpointer.resume()
+    check_resumed_vocabulary(accelerator.unwrap_model(model).head, d2t, t2d, state.resumed_from)
+    metrics = MetricsLogger(accelerator, cfg, state)
+    acceptance = AcceptanceEval(
+        accelerator, cfg, target,
+        lambda module: EagleProposer(module.head, cfg.tree_depth, cfg.tree_topk, cfg.tree_nodes),
+        metrics)
+    if state.step == 0:  # what the run starts from, for comparison
+        totals = report.totals()
+        metrics.log({"step": 0, **{f"data/{k}": v for k, v in totals.items()},
+                     "data/sequences": len(dataset), "draft_vocab/size": config.draft_vocab_size,
+                     "draft_vocab/coverage": coverage})
+        acceptance.maybe_run(state, model, force=True)
+
+    saved = stopped = None
+    with GracefulStop(accelerator) as stop:  # loop
+        for batch in train_batches(loader, state):
+            if cfg.feature_mode == "online":  # (B, S, F) features and (B, S, h) last hidden
+                batch.update(target_features(target, batch["input_ids"], batch["attention_mask"],
+                                             config))
+            with accelerator.accumulate(model):
+                lr = apply_learning_rate(optimizer, cfg, state)
+                loss, parts = model(batch)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and cfg.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            tokens = parts.pop("tokens")  # predicted positions of this micro-batch (step 0)
+            for name, value in parts.items():
+                if name.startswith("acc_"):  # a fraction of tokens: weighted by them
+                    metrics.add(name, value * tokens, tokens)
+                else:  # a mean per micro-batch, as the optimizer sees it
+                    metrics.add(name, value)
+            metrics.count_tokens(batch["attention_mask"].sum())
+            if not accelerator.sync_gradients:
+                continue
+            state.step += 1
+            stopping = stop.should_stop()  # every process, every step
+            metrics.step(state, force=stopping or state.done, lr=lr,
+                         peak_memory_gb=round(peak_memory_gb(accelerator.device), 3))
+            acceptance.maybe_run(state, model)
+            if checkpointer.due(state) or stopping or state.done:  # checkpoint
+                saved = checkpointer.save(state)
+            if stopping:
+                stopped = stop.message(state, saved)
+                accelerator.print(stopped)
+                break
+            if state.done:
+                break
+
+    # export: every process takes part in gathering the weights (sharded under FSDP/ZeRO-3)
+    weights = accelerator.get_state_dict(model)
+    head = accelerator.unwrap_model(model).head
+    artifact = None
+    if accelerator.is_main_process and stopped is None:
+        state_dict = {name.removeprefix("head."): tensor for name, tensor in weights.items()}
+        artifact = save_artifact(Path(cfg.output_dir) / "artifact", config.method,
+                                 config.to_dict(), state_dict, target.identity())
+        accelerator.print(
+            f"[draftsmith] {config.method} head written to {artifact}\n"
+            f"  export:  python -m heads.export {artifact} --format vllm --out "
+            f"{Path(cfg.output_dir) / 'vllm'}   (or sglang, speculators)\n"
+            f"  measure: python -m eval.bench --target {cfg.target} --method hf "
+            f"--method eagle:{artifact} --prompts {cfg.eval_prompts} --num-prompts 8")
+    accelerator.wait_for_everyone()
+    metrics.close()
+    accelerator.end_training()
+    return {"step": state.step, "stopped": stopped, "artifact": artifact, "report": report,
+            "target": target, "head": head}
+
+
+if __name__ == "__main__":
+    main(parse_config(EagleTrainConfig))
