@@ -235,7 +235,8 @@ def choose_node_budget(rank_accuracies, verify_seconds: dict[int, float],
 
     ``verify_seconds[m]`` is the cost of verifying m tokens (:func:`measure_verify_cost`; needs
     m = 1, the plain decoding step); costs between measured sizes are interpolated, so n stops at
-    the largest measured size minus one (or ``max_nodes``).
+    the largest measured size minus one (or ``max_nodes``). A ``predicted_speedup`` below 1 says
+    that on this machine Medusa with these heads is not expected to beat plain decoding at all.
     """
     if 1 not in verify_seconds:
         raise ValueError("verify_seconds needs the cost of 1 token (plain decoding) as a baseline")

@@ -55,6 +55,8 @@ _TRTLLM_WEIGHTS = "medusa_lm_head.safetensors"
 _VLLM_WEIGHTS = "model.safetensors"
 
 RankPath = tuple[int, ...]
+# config.json block of a Medusa-2 adapted target directory (written by train/medusa.py)
+ADAPTED_TARGET_INFO_KEY = "draftsmith"
 
 
 @dataclass
@@ -420,6 +422,33 @@ def save_medusa(directory: str | os.PathLike, heads: MedusaHeads, target: Target
     return save_artifact(directory, METHOD, config, heads.state_dict(), target.identity())
 
 
+def check_adapted_target(directory: str | os.PathLike, config: dict, target: Target) -> None:
+    """Refuse to load a Medusa-2 artifact against anything but the target it was trained with.
+
+    Medusa-2 trains the heads together with LoRA adapters on the target; the merged, adapted
+    target is saved inside the artifact (config key ``adapted_target``: its ``path`` relative to
+    the artifact and the ``digest`` of its weights, which its own config.json repeats under
+    ``ADAPTED_TARGET_INFO_KEY``). The heads predict that model, so it is the one to verify with.
+    """
+    adapted = config.get("adapted_target")
+    if not adapted:
+        return
+    expected = Path(directory) / adapted.get("path", "target")
+    recorded = None
+    if target.path is not None and (Path(target.path) / "config.json").is_file():
+        info = json.loads((Path(target.path) / "config.json").read_text()).get(
+            ADAPTED_TARGET_INFO_KEY)
+        recorded = info.get("digest") if isinstance(info, dict) else None
+    if recorded is None or recorded != adapted.get("digest"):
+        raise ValueError(
+            f"the Medusa artifact {directory} comes from Medusa-2 training: its heads were trained "
+            f"together with LoRA adapters on the target, merged into the adapted target "
+            f"{expected}, and are verified against that model (decoding is then exact with "
+            f"respect to the adapted model, not the original). Load it with that target "
+            f"(python -m eval.bench --target {expected} ...), not with {target.name!r}"
+        )
+
+
 def load_medusa(directory: str | os.PathLike, target: Target | None = None,
                 device: torch.device | str | None = None,
                 dtype: torch.dtype | None = None) -> MedusaArtifact:
@@ -430,6 +459,7 @@ def load_medusa(directory: str | os.PathLike, target: Target | None = None,
     config, state = load_artifact(directory, METHOD)
     if target is not None:
         target.check_identity(config.get("target", {}), what=f"Medusa artifact {directory}")
+        check_adapted_target(directory, config, target)
     cfg = MedusaConfig.from_dict(config)
     if cfg.share_lm_head and target is None:
         raise ValueError(

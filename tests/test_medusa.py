@@ -48,7 +48,7 @@ from heads.medusa import (
 from heads.target import wrap_target
 
 
-def tiny_target(vocab: int, seed: int = 0, std: float = 0.02, name: str = "tiny"):
+def small_target(vocab: int, seed: int = 0, std: float = 0.02, name: str = "tiny"):
     """A 2-layer, hidden-64 random Llama in float64, no EOS (generations run to their length)."""
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -86,12 +86,12 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def target32():
-    return tiny_target(32, seed=0, std=0.02, name="tiny32")
+    return small_target(32, seed=0, std=0.02, name="tiny32")
 
 
 @pytest.fixture(scope="module")
 def target6():
-    return tiny_target(6, seed=0, std=0.1, name="tiny6")
+    return small_target(6, seed=0, std=0.1, name="tiny6")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -563,7 +563,7 @@ def test_artifact_errors(target32, tmp_path):
         save_medusa(tmp_path / "deep", heads, target32, tree=[(0,), (0, 0), (0, 0, 0)])
     save_medusa(tmp_path / "a", heads, target32)  # no tree given: each head's top-1 chain
     assert load_medusa(tmp_path / "a", target32).tree == [(0,), (0, 0)]
-    other = tiny_target(40, name="other")
+    other = small_target(40, name="other")
     with pytest.raises(ValueError, match="trained for target 'tiny32'"):
         load_medusa(tmp_path / "a", other)
     with pytest.raises(ValueError, match="trained for target"):
@@ -653,7 +653,7 @@ def test_smollm2_greedy_with_identity_started_heads(tmp_path):
         for p in heads.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.02)
     tree = build_medusa_tree(
-        [[0.4, 0.1, 0.05], [0.3, 0.1, 0.05], [0.2, 0.1, 0.05], [0.1, 0.1, 0.05]], 16)
+        [[0.4, 0.1, 0.05], [0.3, 0.1, 0.05], [0.2, 0.1, 0.05], [0.1, 0.1, 0.05]], 10)
     proposer = MedusaProposer(target, heads, tree)
     engine = SpeculativeEngine(target)
     prompt = target.chat_ids("List three colours of the rainbow.")

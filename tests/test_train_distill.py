@@ -9,17 +9,25 @@ checkpoints, evaluation, export) runs as it does on a real target, in seconds.
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 import train.distill as distill_module
-from distill.draft import read_draft_info
+from distill.draft import load_draft, read_draft_info
 from distill.losses import divergence, next_token_mask
 from eval.bench import build_methods
 from eval.sampling import SamplingParams
@@ -379,9 +387,81 @@ def test_lora_trains_adapters_only_and_exports_merged_weights(files, tmp_path):
                      for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")}
 
 
+def test_the_target_as_its_own_draft_is_accepted_everywhere(files, tmp_path):
+    """A model directory as the draft, here the target itself: the held-out 1 - TVD estimate
+    and argmax agreement are 1 and the engine accepts every greedy draft token, before training
+    moves it (on-policy only, off-policy rows held out)."""
+    out = tmp_path / "self"
+    main(base_config(files, out, draft=files["target"], max_steps=1, learning_rate=1e-6,
+                     heldout_every=1, eval_every=1, on_policy_ratio=1.0))
+    start = {k: v for r in records(out) if r["step"] == 0 for k, v in r.items()}
+    assert start["heldout/acceptance"] == pytest.approx(1.0, abs=1e-6)
+    assert start["heldout/agreement"] == 1.0
+    assert start["eval/alpha"] == 1.0 and start["eval/tau"] > 1.5
+
+
 def test_a_draft_with_another_vocabulary_is_refused(files, tmp_path):
     other = word_tokenizer()
     other.add_tokens([f"x{i}" for i in range(12)])
     draft_dir = save_tiny_llama(tmp_path / "other", len(other), other, seed=1)
     with pytest.raises(ValueError, match="vocabulary mismatch"):
         main(base_config(files, tmp_path / "run", draft=str(draft_dir)))
+
+
+# ------------------------------------------------------------------------------------------------
+# Slow: two processes, and the real embedded target
+
+
+@pytest.mark.slow
+def test_two_cpu_processes_sample_reduce_and_export(files, tmp_path):
+    """torchrun with 2 processes: each samples its own rows, the held-out sums are reduced, the
+    main process exports a draft that loads (about 15 s)."""
+    out = tmp_path / "two"
+    args = [f"--target={files['target']}", f"--data={','.join(files['data'])}",
+            "--draft=truncate:1", "--max_length=48", "--max_steps=3", "--warmup_steps=1",
+            "--per_device_batch_size=2", "--log_every=1", "--eval_every=0",
+            "--heldout_fraction=0.1", "--heldout_max_rows=4", "--heldout_every=3",
+            "--on_policy_max_new_tokens=8", "--seed=3", f"--output_dir={out}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc_per_node=2", str(REPO / "train" / "distill.py"), *args],
+                   check=True, env=env, cwd=REPO, timeout=300)
+    logged = records(out)
+    assert [r["step"] for r in logged if "loss" in r] == [1, 2, 3]
+    assert [r["samples"] for r in logged if "loss" in r] == [4, 8, 12]  # 2 rows x 2 processes
+    assert [r["step"] for r in logged if "heldout/acceptance" in r] == [0, 3]
+    target = load_target(files["target"])
+    info = read_draft_info(out / "artifact")
+    assert info["steps"] == 3
+    load_draft(str(out / "artifact"), target)
+
+
+@pytest.mark.slow
+def test_a_few_steps_on_the_embedded_smollm2_target(tmp_path):
+    """truncate:2 of SmolLM2-135M-Instruct, on- and off-policy, exported and loaded back."""
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in [
+        ("What is 2 + 3?", "2 + 3 = 5.\n#### 5"),
+        ("Name a primary colour.", "Red is a primary colour."),
+        ("What is the capital of France?", "The capital of France is Paris."),
+        ("How many legs does a spider have?", "A spider has 8 legs.\n#### 8"),
+        ("Say hello in French.", "Bonjour!"),
+    ]))
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([{"conversations": [{"from": "human", "value": v}]} for v in (
+        "Write a haiku about the sea.", "Explain what a list is in Python.",
+        "Give me three tips for sleeping well.")]))
+    cfg = config_from_dict(DistillConfig, dict(
+        target="smollm2-135m", draft="truncate:2", data=[str(data), str(prompts)],
+        output_dir=str(tmp_path / "run"), max_length=128, per_device_batch_size=2, max_steps=3,
+        warmup_steps=1, learning_rate=1e-4, log_every=1, eval_every=0, heldout_fraction=0.2,
+        heldout_max_rows=2, heldout_every=3, on_policy_ratio=0.5, on_policy_max_new_tokens=16,
+        divergence="tvd", seed=1, report_to="none"))
+    result = main(cfg)
+    logged = records(tmp_path / "run")
+    assert [r["step"] for r in logged if "loss" in r] == [1, 2, 3]
+    assert all(0 <= r["loss"] <= 1 for r in logged if "loss" in r)  # TVD is in [0, 1]
+    heldout = [r["heldout/acceptance"] for r in logged if "heldout/acceptance" in r]
+    assert len(heldout) == 2 and all(0 < a < 1 for a in heldout)
+    draft = load_draft(str(result["artifact"]), result["target"])
+    assert draft.config.num_hidden_layers == 2

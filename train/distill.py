@@ -53,7 +53,9 @@ from functools import partial
 from pathlib import Path
 from typing import Literal
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
+# Run as a script, sys.path starts with train/, where this file would shadow the distill
+# package: the repository root goes first.
+if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
@@ -194,7 +196,7 @@ class DistillConfig(TrainConfig):
         if any(k < 1 for k in self.draft_branching):
             raise ValueError(f"config key 'draft_branching' needs counts >= 1, got "
                              f"{self.draft_branching}")
-        if self.divergence not in DIVERGENCES:  # Literal already checks; the loss module decides
+        if self.divergence not in DIVERGENCES:  # DistillConfig(...) skips parse_config's check
             raise ValueError(f"config key 'divergence' must be one of {DIVERGENCES}")
 
 
@@ -508,19 +510,18 @@ class HeldOutAcceptance:
             return
         mine = rows[accelerator.process_index::accelerator.num_processes]
         size = cfg.per_device_batch_size
-        device = accelerator.device
-        for start in range(0, len(mine), size):
-            chunk = mine[start:start + size]
-            batch = collate_distill(chunk, pad_token_id)
-            batch = {k: v.to(device) for k, v in batch.items()}
-            # the target answers the prompt-only rows: on_policy True would answer all of them
-            batch, _, _ = draft_sampled_batch(
-                batch, target.model, False, max_new_tokens=cfg.on_policy_max_new_tokens,
-                temperature=cfg.temperature, eos_token_ids=target.eos_token_ids,
-                pad_token_id=pad_token_id, max_length=cfg.max_length,
-                seed=_seed_from(cfg.seed, 2, accelerator.process_index, start))
-            self.batches.append({k: batch[k] for k in ("input_ids", "attention_mask",
-                                                       "loss_mask")})
+        with metrics.paused():  # not training time: tokens/s leaves it out
+            for start in range(0, len(mine), size):
+                batch = collate_distill(mine[start:start + size], pad_token_id)
+                batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+                # the target answers the prompt-only rows (on_policy True would answer them all)
+                batch, _, _ = draft_sampled_batch(
+                    batch, target.model, False, max_new_tokens=cfg.on_policy_max_new_tokens,
+                    temperature=cfg.temperature, eos_token_ids=target.eos_token_ids,
+                    pad_token_id=pad_token_id, max_length=cfg.max_length,
+                    seed=_seed_from(cfg.seed, 2, accelerator.process_index, start))
+                self.batches.append({k: batch[k] for k in ("input_ids", "attention_mask",
+                                                           "loss_mask")})
 
     def due(self, state: TrainState) -> bool:
         return bool(self.every) and (state.step % self.every == 0 or state.done)
