@@ -32,13 +32,13 @@ bench: install
 	  --prompts $(BENCH_PROMPTS) --num-prompts $(BENCH_N) --max-new-tokens 128 \
 	  --temperature 0 --out reports/bench.json
 
+# the main job on the embedded target: data -> accelerate launch train/eagle.py (~10 min on 2
+# cores) -> export -> eval.bench against hf, hf-pld and hf-assisted; see scripts/demo.sh
 demo: install
-	$(PYTHON) -m eval.bench --target smollm2-135m --threads $(THREADS) \
-	  --method hf --method plain --method pld --method hf-pld \
-	  --prompts $(BENCH_PROMPTS) --num-prompts 3 --max-new-tokens 64 --out reports/demo.json
+	PYTHON=$(PYTHON) THREADS=$(THREADS) scripts/demo.sh runs/demo
 
 lint: install
 	$(PYTHON) -m ruff check .
 
 clean:
-	rm -rf $(STAMP) reports build *.egg-info
+	rm -rf $(STAMP) reports runs build *.egg-info

@@ -236,23 +236,26 @@ def main(cfg: EagleTrainConfig) -> dict:
     # model: fp32 master weights (accelerate's autocast runs them in bf16 on GPU); the loss
     # wraps the head so that the whole training-time test is one DDP forward
     head = EagleHead(config, target, d2t=d2t, t2d=t2d, dtype=torch.float32)
+    maps = (d2t.clone(), t2d.clone())  # the head's buffers may share them; a resume overwrites
     model = EagleLoss(head, steps=cfg.ttt_steps, decay=cfg.ttt_decay,
                       feature_noise=cfg.feature_noise, ce_weight=cfg.ce_weight)
     optimizer = make_optimizer(model, cfg)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     checkpointer = Checkpointer(accelerator, cfg, target.identity(), loader)
     state = checkpointer.resume()
-    check_resumed_vocabulary(accelerator.unwrap_model(model).head, d2t, t2d, state.resumed_from)
+    check_resumed_vocabulary(accelerator.unwrap_model(model).head, *maps, state.resumed_from)
     metrics = MetricsLogger(accelerator, cfg, state)
     acceptance = AcceptanceEval(
         accelerator, cfg, target,
         lambda module: EagleProposer(module.head, cfg.tree_depth, cfg.tree_topk, cfg.tree_nodes),
         metrics)
     if state.step == 0:  # what the run starts from, for comparison
-        totals = report.totals()
-        metrics.log({"step": 0, **{f"data/{k}": v for k, v in totals.items()},
-                     "data/sequences": len(dataset), "draft_vocab/size": config.draft_vocab_size,
-                     "draft_vocab/coverage": coverage})
+        record = {"step": 0, **{f"data/{k}": v for k, v in report.totals().items()},
+                  "data/sequences": len(dataset)}
+        if config.version == 3:
+            record.update({"draft_vocab/size": config.draft_vocab_size,
+                           "draft_vocab/coverage": coverage})
+        metrics.log(record)
         acceptance.maybe_run(state, model, force=True)
 
     saved = stopped = None
