@@ -203,7 +203,7 @@ def summarise(stats: MethodStats, reference: MethodStats | None, greedy: bool) -
         "seconds": round(stats.seconds, 3),
         "greedy_identical": None,
     }
-    if stats.has_acceptance:
+    if stats.has_acceptance and stats.tried_at:
         tried = sum(stats.tried_at)
         record["alpha"] = round(sum(stats.accepted_at) / tried, 4) if tried else None
         record["alpha_per_depth"] = [
