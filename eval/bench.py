@@ -8,7 +8,8 @@
 Methods: ``plain`` (our engine, no draft), ``hf`` (transformers ``generate``), ``pld`` (our n-gram
 lookup), ``hf-pld`` (``prompt_lookup_num_tokens``), ``draft:<dir|truncate:N>`` (our engine with a
 draft LM), ``hf-assisted:<dir|truncate:N>`` (``assistant_model``), ``eagle:<artifact>`` and
-``medusa:<artifact>``. Prompts run one after another with every method, in an order rotated per
+``medusa:<artifact>`` (``medusa:typical:<artifact>``: Medusa's lossy typical acceptance, reported
+``exact: false``). Prompts run one after another with every method, in an order rotated per
 prompt, so machine drift hits all methods alike; a warm-up pass comes first. ``speedup`` is
 tokens/s over ``hf`` measured in the same run (``hf`` is added when not asked for).
 """
@@ -286,8 +287,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pld-nodes", type=int, default=10, help="node budget of the n-gram tree")
     p.add_argument("--tree-nodes", type=int, default=None,
                    help="node budget for EAGLE/Medusa trees (default: the artifact's)")
-    p.add_argument("--tree-depth", type=int, default=None, help="EAGLE tree depth")
-    p.add_argument("--tree-topk", type=int, default=None, help="EAGLE children per expanded node")
+    p.add_argument("--tree-depth", type=int, default=None,
+                   help="EAGLE tree depth / cap on the Medusa tree's depth")
+    p.add_argument("--tree-topk", type=int, default=None,
+                   help="EAGLE children per expanded node / cap on the Medusa tree's ranks")
     p.add_argument("--wandb", action="store_true", help="log the report to Weights & Biases")
     p.add_argument("--wandb-project", default="draftsmith")
     p.add_argument("--no-progress", action="store_true")

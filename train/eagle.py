@@ -43,7 +43,6 @@ measures it).
 
 from __future__ import annotations
 
-import resource
 import sys
 from dataclasses import dataclass
 from functools import partial
@@ -81,7 +80,7 @@ from train.checkpoints import (
 from train.config import TrainConfig, option, parse_config
 from train.data import collate_causal_lm, load_sft_dataset
 from train.eagle_features import FeatureCache, collate_features, write_feature_cache
-from train.tracking import AcceptanceEval, MetricsLogger
+from train.tracking import AcceptanceEval, MetricsLogger, peak_memory_gb
 
 
 @dataclass
@@ -189,14 +188,6 @@ def check_resumed_vocabulary(head: EagleHead, d2t: torch.Tensor, t2d: torch.Tens
             f"one the training data gives now ({int((head.t2d.cpu() != t2d.cpu()).sum())} target "
             f"ids differ), so the data changed; resume with the data the run started with, or "
             f"start a new run in another --output_dir")
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak memory of this process so far: the device's allocator on CUDA, resident set on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30
 
 
 # ------------------------------------------------------------------------------------------------

@@ -54,7 +54,6 @@ import copy
 import hashlib
 import json
 import os
-import resource
 import shutil
 import sys
 import tempfile
@@ -99,7 +98,7 @@ from train.checkpoints import (
 )
 from train.config import TrainConfig, option, parse_config
 from train.data import collate_causal_lm, load_sft_dataset, regenerate
-from train.tracking import AcceptanceEval, MetricsLogger
+from train.tracking import AcceptanceEval, MetricsLogger, peak_memory_gb
 
 TRAIN_TOPK = 5  # ranks counted on training batches: enough for the logged top-1 and top-5
 _MEDUSA2_ONLY = {"kl_weight": 1.0, "lm_loss_weight": 0.0, "lora_r": 16, "lora_alpha": 32.0,
@@ -502,14 +501,6 @@ def build_objective(cfg: MedusaTrainConfig, target: Target) -> MedusaObjective:
         adapted = add_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                            target_modules="all-linear" if modules == ["all-linear"] else modules)
     return MedusaObjective(heads, target, cfg, adapted).train()
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak memory of this process so far: the device's allocator on CUDA, resident set on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30
 
 
 # ------------------------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,6 +40,14 @@ from train.checkpoints import TrainState
 from train.config import config_to_dict
 
 _REPO = Path(__file__).resolve().parents[1]
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory of this process so far: the device's allocator on CUDA, resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30
 
 
 def wandb_mode() -> str:
