@@ -114,7 +114,7 @@ def test_tree_rule_first_token_is_target_distributed(mode):
     exact = warp(target_logits[0], params).double()
     counts = torch.zeros(vocab, dtype=torch.long)
     samples = 20_000
-    for i in range(samples):
+    for _ in range(samples):
         if mode == "iid":
             kids = torch.multinomial(draft, 3, replacement=True, generator=gen).tolist()
             tree = DraftTree(kids, [0, 0, 0], {0: draft.float()})
