@@ -24,7 +24,7 @@ def read_prompts(path: str | Path, turn: int = 0, limit: int | None = None) -> l
         raise ValueError(f"cannot read prompt file {path}: {err}") from err
     prompts: list[str] = []
     if path.suffix in (".jsonl", ".json"):
-        for lineno, line in enumerate(text.splitlines(), start=1):
+        for lineno, line in enumerate(text.split("\n"), start=1):  # not splitlines: U+2028
             if not line.strip():
                 continue
             try:

@@ -480,3 +480,13 @@ def test_every_shared_training_file_reads_without_skips():
     found = {Path(s.name).name: (s.format, s.rows) for s in report.sources.values()}
     assert found == rows
     assert report.totals()["skipped"] == 0 and len(prompts) == sum(n for _, n in rows.values())
+
+
+def test_jsonl_strings_may_hold_unicode_line_separators(tmp_path):
+    """json.dumps(ensure_ascii=False) writes U+2028 raw; it must not end a JSONL line."""
+    path = tmp_path / "odd.jsonl"
+    row = {"messages": [{"role": "user", "content": "a\u2028b\x85c"},
+                        {"role": "assistant", "content": "d\u2029e"}]}
+    path.write_text(json.dumps(row, ensure_ascii=False) + "\n", encoding="utf-8")
+    conversations, report = read_conversations([str(path)])
+    assert [m["content"] for m in conversations[0]["messages"]] == ["a\u2028b\x85c", "d\u2029e"]

@@ -331,7 +331,9 @@ def _read_rows(source: str) -> Sequence:
             raise ValueError(f"{source}: not valid JSON at line {err.lineno}, column "
                              f"{err.colno}: {err.msg}") from None
     rows = []
-    for lineno, line in enumerate(text.splitlines(), 1):
+    # JSONL lines end at \n only: str.splitlines() would also split inside strings holding
+    # U+2028, U+0085 and the like, which json.dumps(ensure_ascii=False) writes raw
+    for lineno, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -624,7 +626,9 @@ def _answered(out_path: Path, prompts: list[list[dict]]) -> set[int]:
         with open(out_path, "r+b") as f:
             f.truncate(complete)
     done = set()
-    for lineno, line in enumerate(data[:complete].decode("utf-8").splitlines(), 1):
+    for lineno, line in enumerate(data[:complete].decode("utf-8").split("\n"), 1):
+        if not line:
+            continue
         try:
             record = json.loads(line)
             index = record["prompt_index"]

@@ -63,7 +63,7 @@ def rewind_jsonl(path: Path, step: int) -> None:
     if not path.is_file():
         return
     kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8").split("\n"):
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
