@@ -97,11 +97,15 @@ def check_same_vocab(target: Target, draft_model: nn.Module, draft_tokenizer=Non
             )
 
 
-def load_draft(spec: str, target: Target, trainable: bool = False) -> nn.Module:
+def load_draft(spec: str, target: Target, trainable: bool = False,
+               dtype: torch.dtype | None = None) -> nn.Module:
     """``truncate:N`` or a model directory -> a draft on the target's device and dtype.
 
     ``trainable=False``: frozen, eval mode, truncated layers shared with the target.
     ``trainable=True``: an independent copy in train mode with every parameter trainable.
+    ``dtype``: run the draft in another precision than the target (e.g. bf16 beside an fp32
+    target on a CPU: half the bytes per draft token). The draft's numerics never touch
+    exactness, which only depends on the target; a truncated draft is then a copy.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -109,14 +113,17 @@ def load_draft(spec: str, target: Target, trainable: bool = False) -> nn.Module:
         text = spec[len(TRUNCATE_PREFIX):]
         if not text.isdigit():
             raise ValueError(f"expected truncate:N with N a layer count, got {spec!r}")
-        draft = truncate_model(target.model, int(text), share=not trainable)
+        same = dtype is None or dtype == target.dtype
+        draft = truncate_model(target.model, int(text), share=not trainable and same)
+        if not same:
+            draft = draft.to(dtype)
     else:
         path = Path(spec).expanduser()
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
                 f"draft {spec!r} is neither truncate:N nor a model directory with config.json"
             )
-        draft = AutoModelForCausalLM.from_pretrained(str(path), dtype=target.dtype)
+        draft = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or target.dtype)
         draft = draft.to(target.device)
         tokenizer = None
         if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):

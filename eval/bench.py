@@ -40,7 +40,7 @@ from eval.engine import SpeculativeEngine, check_prompt
 from eval.prompts import read_prompts
 from eval.proposers import DraftModelProposer, NgramProposer, Proposer
 from eval.sampling import SamplingParams
-from heads.target import Target, load_target
+from heads.target import Target, default_device_dtype, load_target
 
 METHOD_KINDS = ("plain", "hf", "pld", "hf-pld", "draft:", "hf-assisted:", "eagle:", "medusa:")
 
@@ -145,7 +145,7 @@ def build_methods(specs: list[str], target: Target, args) -> list[Method]:
 
     def draft(spec: str):
         if spec not in drafts:
-            drafts[spec] = load_draft(spec, target)
+            drafts[spec] = load_draft(spec, target, dtype=draft_dtype(args))
         return drafts[spec]
 
     methods: list[Method] = []
@@ -176,6 +176,12 @@ def build_methods(specs: list[str], target: Target, args) -> list[Method]:
                 "medusa:<artifact>"
             )
     return methods
+
+
+def draft_dtype(args) -> torch.dtype | None:
+    """--draft-dtype as a torch dtype (None: the target's)."""
+    name = getattr(args, "draft_dtype", None)
+    return None if name is None else default_device_dtype("cpu", name)[1]
 
 
 def load_head_proposer(kind: str, path: str, target: Target, args) -> Proposer:
@@ -279,6 +285,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="default: bf16 on GPU, fp32 on CPU")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--draft-depth", type=int, default=6, help="max draft tokens per round")
+    p.add_argument("--draft-dtype", default=None,
+                   help="precision of draft LMs and EAGLE heads (e.g. bf16 beside an fp32 target "
+                        "on a CPU); exactness depends on the target only (default: the target's)")
     p.add_argument("--draft-min-confidence", type=float, default=0.4,
                    help="stop drafting after a token the draft gives less than this")
     p.add_argument("--pld-depth", type=int, default=10, help="n-gram continuation length")
@@ -344,6 +353,7 @@ def main(argv=None) -> list[dict]:
         "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
         "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
         "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "draft_dtype": args.draft_dtype,
         "machine": platform.machine(), "python": platform.python_version(),
     }
     import transformers

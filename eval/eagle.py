@@ -26,7 +26,7 @@ from eval.kv import crop
 from eval.proposers import Proposer
 from eval.tree import DraftTree
 from heads.eagle import EagleHead, attention_bias, causal_mask, load_eagle
-from heads.target import Target
+from heads.target import Target, default_device_dtype
 
 DEFAULT_DEPTH = 5
 DEFAULT_TOPK = 8
@@ -63,7 +63,10 @@ class EagleProposer(Proposer):
     @classmethod
     def from_artifact(cls, path: str | os.PathLike, target: Target, args=None) -> EagleProposer:
         """Load an eagle1/eagle3 artifact; args.tree_depth/tree_topk/tree_nodes None = default."""
-        head = load_eagle(path, target).eval()
+        dtype = getattr(args, "draft_dtype", None) if args is not None else None
+        if dtype is not None:  # e.g. bf16 beside an fp32 target: the head's numerics never touch exactness
+            dtype = default_device_dtype("cpu", dtype)[1]
+        head = load_eagle(path, target, dtype=dtype).eval()
 
         def pick(attr, default):
             value = getattr(args, attr, None) if args is not None else None

@@ -521,3 +521,17 @@ def test_smollm2_random_eagle3_greedy_equality():
             engine.generate(ids, 32, SamplingParams(), EagleProposer(head, **mode)).tokens
             == reference
         )
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_head_in_bf16_keeps_greedy_exact(tmp_path, engine, target, heads, greedy, version):
+    """--draft-dtype bf16: the head drafts in bf16 beside the float target; output is unchanged."""
+    path = save_eagle(heads[version]["trained"], tmp_path / f"eagle{version}", target)
+
+    class Args:
+        tree_nodes, tree_depth, tree_topk, draft_dtype = 12, 4, 3, "bf16"
+
+    proposer = EagleProposer.from_artifact(path, target, Args())
+    assert proposer.head.dtype == torch.bfloat16
+    for prompt, reference in zip(PROMPTS, greedy):
+        assert engine.generate(prompt, NEW_TOKENS, SamplingParams(), proposer).tokens == reference

@@ -201,3 +201,14 @@ def test_draft_spec_errors(tiny_target, tmp_path):
     tiny_llama(vocab=100, seed=3).save_pretrained(saved)
     with pytest.raises(ValueError, match="vocabulary mismatch"):
         load_draft(str(saved), tiny_target)
+
+
+def test_draft_in_another_precision_keeps_greedy_exact(engine, references, tiny_target):
+    """The draft's dtype is free: the float64 target verifies a float32 / bf16 copy of its layer."""
+    for dtype in (torch.float32, torch.bfloat16):
+        draft = load_draft("truncate:1", tiny_target, dtype=dtype)
+        assert next(draft.parameters()).dtype == dtype
+        assert draft.lm_head.weight is not tiny_target.model.lm_head.weight  # a copy, not shared
+        proposer = DraftModelProposer(draft, max_depth=3)
+        for prompt, reference in zip(PROMPTS, references):
+            assert engine.generate(prompt, 32, proposer=proposer).tokens == reference
