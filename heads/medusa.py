@@ -220,6 +220,9 @@ class MedusaHeads(nn.Module):
     def forward(self, hidden: torch.Tensor, num: int | None = None) -> torch.Tensor:
         """hidden (..., H) -> logits (num, ..., V) of the first ``num`` heads (default all K)."""
         states = self.head_states(hidden, num)
+        if self.config.share_lm_head:  # one pass over the shared weight, not one per head
+            weight = self.lm_head_weight(0)
+            return F.linear(torch.stack(states).to(weight.dtype), weight)
         return torch.stack([self.project(s, k) for k, s in enumerate(states)])
 
 

@@ -131,6 +131,16 @@ def test_param_counts_match_the_module_and_smollm2_sizes(target32):
     assert shared["trainable"] == shared["blocks"] and shared["shared_lm_head"] == 49152 * 576
 
 
+def test_shared_heads_project_in_one_pass_like_head_by_head(target32):
+    """forward() batches the heads through the shared LM head: same logits as one head at a time."""
+    heads = random_heads(target32, num_heads=3, share=True)
+    hidden = torch.randn(2, 5, target32.hidden_size, dtype=target32.dtype)
+    states = heads.head_states(hidden)
+    one_by_one = torch.stack([heads.project(s, k) for k, s in enumerate(states)])
+    torch.testing.assert_close(heads(hidden), one_by_one)
+    torch.testing.assert_close(heads(hidden, num=2), one_by_one[:2])
+
+
 @pytest.mark.parametrize("bad", [dict(num_heads=0), dict(num_heads=-2), dict(num_layers=-1),
                                  dict(hidden_size=0)])
 def test_bad_config_is_refused(bad):
