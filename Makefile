@@ -5,7 +5,7 @@ PIP := $(PYTHON) -m pip
 THREADS ?= 2
 BENCH_PROMPTS ?= data/eval/mt_bench_question.jsonl
 BENCH_N ?= 20
-BENCH_DRAFT ?= truncate:27
+BENCH_DRAFT ?= truncate:8
 STAMP := .install.stamp
 
 .PHONY: install test test-slow bench demo lint clean

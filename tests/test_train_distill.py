@@ -299,6 +299,7 @@ def test_training_moves_the_draft_only_and_logs_what_it_measures(files, whole_ru
     assert [r["on_policy"] for r in train] == [float(s) for s in schedule]
     for r in train:
         assert r["loss"] > 0 and 0 <= r["agreement"] <= 1 and r["tokens_per_s"] > 0
+        assert r["peak_memory_gb"] > 0
         assert (r["sampled_tokens"] is not None) or not r["on_policy"]
     heldout = [r for r in logged if "heldout/acceptance" in r]
     assert [r["step"] for r in heldout] == [0, 2, 4]

@@ -30,7 +30,7 @@ merged into plain weights at export.
 
 Logged to ``<output_dir>/metrics.jsonl`` (and W&B with ``report_to: wandb``): ``loss``,
 ``agreement`` (argmax agreement: greedy acceptance per token), ``on_policy`` (fraction of
-micro-batches), ``sampled_tokens`` (mean continuation length of sampled rows); every
+micro-batches), ``sampled_tokens`` (mean continuation length of sampled rows), ``peak_memory_gb``; every
 ``heldout_every`` steps ``heldout/acceptance`` (mean 1 - TVD at ``temperature``: the per-token
 acceptance rate of exact speculative sampling), ``heldout/agreement`` and ``heldout/<divergence>``
 on held-out rows excluded from training; every ``eval_every`` steps ``eval/tau`` and
@@ -81,7 +81,7 @@ from train.checkpoints import (
 )
 from train.config import TrainConfig, option, parse_config
 from train.data import collate_causal_lm, load_sft_dataset, read_conversations
-from train.tracking import AcceptanceEval, MetricsLogger
+from train.tracking import AcceptanceEval, MetricsLogger, peak_memory_gb
 
 FRESH_PREFIX = "fresh:"
 TRUNCATE_PREFIX = "truncate:"
@@ -662,7 +662,8 @@ def main(cfg: DistillConfig) -> dict:
             micro = 0
             state.step += 1
             stopping = stop.should_stop()  # every process, every step
-            metrics.step(state, force=stopping or state.done, lr=lr)
+            metrics.step(state, force=stopping or state.done, lr=lr,
+                         peak_memory_gb=round(peak_memory_gb(accelerator.device), 3))
             heldout.maybe_run(state, model)
             acceptance.maybe_run(state, model)
             if checkpointer.due(state) or stopping or state.done:  # checkpoint

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# How the README's trained-draft results were made on the 2-core CPU machine, stage by stage.
+#
+#   scripts/cpu_results.sh STAGE        STAGE: prompts | regenerate | eagle | medusa | distill | bench
+#
+# Each stage is what was run, with its wall-clock on 2 cores noted beside it; the README quotes
+# the figures. Outputs go under runs/ (training) and reports/ (benchmark JSON). Every training
+# stage resumes from its checkpoints when rerun.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON="${PYTHON:-python3}"
+export MKL_CBWR=AUTO  # MKL's small-GEMM path is slow on AMD EPYC: see the README's engine results
+LAUNCH=(accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no
+        --dynamo_backend no)
+HELDOUT=data/eval/vicuna_bench_question.jsonl  # tuning and training-time tau; MT-bench is the test
+
+case "${1:-}" in
+prompts)  # 1,500 short training prompts (<= 160 chat tokens), never MT-bench: seconds
+  "$PYTHON" - <<'EOF'
+import json
+import random
+
+from heads.target import load_target
+from train.data import load_prompts
+
+target = load_target("smollm2-135m")
+files = {"data/train/sharegpt_first_turns.json": 700,
+         "data/train/gpteacher_roleplay_instruct.json": 500, "data/train/gsm8k_train.jsonl": 300}
+rng = random.Random(0)
+rows = []
+for path, count in files.items():
+    prompts, _ = load_prompts([path])
+    short = [p for p in prompts if len(target.chat_ids(p)) <= 160]
+    rows += rng.sample(short, min(count, len(short)))
+rng.shuffle(rows)
+with open("runs/prompts_mix.jsonl", "w") as fh:
+    fh.writelines(json.dumps({"messages": p}) + "\n" for p in rows)
+print(f"{len(rows)} prompts -> runs/prompts_mix.jsonl")
+EOF
+  ;;
+regenerate)  # the target's own greedy answers to the first 768 prompts: 15m46s, ~150 tokens/s
+  "$PYTHON" -m train.data regenerate --target smollm2-135m --data runs/prompts_mix.jsonl \
+    --out runs/selfdistill.jsonl --max-new-tokens 256 --temperature 0 --batch-size 64 \
+    --max-prompts 768
+  ;;
+eagle)  # EAGLE-3, 400 steps of 4 x <=512 tokens, 2 threads: 40 min, ~200 tokens/s, 2.7 GB
+  "${LAUNCH[@]}" --num_cpu_threads_per_process 2 train/eagle.py \
+    --config configs/eagle/smollm2-135m.yaml --output_dir runs/eagle3 --resume latest \
+    --data runs/selfdistill.jsonl --max_length 512 --per_device_batch_size 4 --max_steps 400 \
+    --num_epochs none --warmup_steps 20 --learning_rate 6e-4 --ttt_steps 5 --save_every 50 \
+    --log_every 10 --eval_every 200 --eval_prompts "$HELDOUT" --eval_num_prompts 4 \
+    --eval_max_new_tokens 64 --report_to none
+  ;;
+medusa)  # Medusa-1, 4 heads sharing the LM head, 100 steps, 1 thread (beside another job): 18 min
+  OMP_NUM_THREADS=1 "${LAUNCH[@]}" --num_cpu_threads_per_process 1 train/medusa.py \
+    --config configs/medusa/smollm2-135m.yaml --output_dir runs/medusa1 --resume latest \
+    --data runs/selfdistill.jsonl --soft_labels false --max_steps 100 --warmup_steps 10 \
+    --save_every 50 --log_every 5 --heldout_every 50 --eval_every 100 \
+    --eval_prompts "$HELDOUT" --eval_num_prompts 2 --eval_max_new_tokens 32 --report_to none
+  ;;
+distill)  # truncate:6 distilled off-policy (JSD) on the answers, 200 steps, 2 threads: 22 min
+  "${LAUNCH[@]}" --num_cpu_threads_per_process 2 train/distill.py \
+    --config configs/distill/smollm2-135m.yaml --output_dir runs/distill6 --resume latest \
+    --data runs/selfdistill.jsonl --max_length 512 --per_device_batch_size 4 \
+    --on_policy_ratio 0 --learning_rate 3e-4 --warmup_steps 10 --max_steps 200 \
+    --save_every 50 --log_every 5 --heldout_every 50 --heldout_max_rows 16 --eval_every 200 \
+    --eval_prompts "$HELDOUT" --eval_num_prompts 2 --eval_max_new_tokens 32 --report_to none
+  ;;
+bench)  # MT-bench first turns, 128 tokens; tree settings tuned on 4 Vicuna-bench prompts
+  # heads, temperature 0, 80 prompts: ~40 min
+  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf --method hf-pld \
+    --method eagle:runs/eagle3/artifact --method medusa:runs/medusa1/artifact \
+    --tree-depth 2 --tree-topk 3 --tree-nodes 4 --draft-dtype bf16 \
+    --prompts data/eval/mt_bench_question.jsonl --num-prompts 80 --max-new-tokens 128 \
+    --temperature 0 --out reports/heads_t0.json
+  # the draft before and after distillation, temperature 0 and 1, 8 prompts: ~20 min
+  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf \
+    --method draft:truncate:6 --method draft:runs/distill6/artifact \
+    --method hf-assisted:truncate:6 --method hf-assisted:runs/distill6/artifact \
+    --prompts data/eval/mt_bench_question.jsonl --num-prompts 8 --max-new-tokens 128 \
+    --temperature 0 --out reports/distill_t0.json
+  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf \
+    --method draft:truncate:6 --method draft:runs/distill6/artifact \
+    --prompts data/eval/mt_bench_question.jsonl --num-prompts 8 --max-new-tokens 128 \
+    --temperature 1 --seed 0 --out reports/distill_t1.json
+  ;;
+*)
+  echo "usage: $0 prompts|regenerate|eagle|medusa|distill|bench" >&2
+  exit 2
+  ;;
+esac
