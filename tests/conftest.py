@@ -52,3 +52,14 @@ def noisy_copy(model: LlamaForCausalLM, noise: float, seed: int = 1) -> LlamaFor
 def tiny_draft(tiny_target):
     """Same vocabulary, perturbed weights: accepts some tokens and rejects others."""
     return noisy_copy(tiny_target.model, 0.08)
+
+
+@pytest.fixture
+def trainer_env(monkeypatch, tmp_path_factory):
+    """Trainer tests: a private target cache, W&B off, one torch thread (restored afterwards)."""
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the CPU is shared
+    yield
+    torch.set_num_threads(threads)

@@ -45,6 +45,9 @@ from train.distill import (
     main,
 )
 
+pytestmark = pytest.mark.usefixtures("trainer_env")
+
+
 REPO = Path(__file__).resolve().parents[1]
 SPECIALS = ["<unk>", "<pad>", "<|im_start|>", "<|im_end|>"]
 WORDS = ["system", "user", "assistant"] + [f"w{i}" for i in range(41)]  # 48 tokens in all
@@ -104,16 +107,6 @@ def files(tmp_path_factory):
                                     for _ in range(2)))
     return {"root": root, "target": str(target), "data": [str(answered), str(prompts)],
             "eval": str(eval_prompts)}
-
-
-@pytest.fixture(autouse=True)
-def quiet_and_single_threaded(monkeypatch, tmp_path_factory):
-    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
-    monkeypatch.setenv("WANDB_MODE", "disabled")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the CPU is shared
-    yield
-    torch.set_num_threads(threads)
 
 
 def base_config(files, out: Path, **overrides) -> DistillConfig:

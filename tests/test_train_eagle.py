@@ -32,6 +32,8 @@ from train.config import parse_config
 from train.data import load_sft_dataset
 from train.eagle import EagleTrainConfig, draft_vocabulary, head_config, main
 
+pytestmark = pytest.mark.usefixtures("trainer_env")
+
 REPO = Path(__file__).resolve().parents[1]
 # single-token words of the SmolLM2 tokenizer (with a leading space)
 WORDS = ("the cat dog sat on mat a big red blue green house tree river sun moon star bird fish "
@@ -112,16 +114,6 @@ def files(tmp_path_factory):
             "even": write_jsonl(root / "even.jsonl", even),
             "repeated": write_jsonl(root / "repeated.jsonl", repeated),
             "bad": write_jsonl(root / "bad.jsonl", bad), "eval": str(eval_prompts)}
-
-
-@pytest.fixture(autouse=True)
-def quiet_and_single_threaded(monkeypatch, tmp_path_factory):
-    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
-    monkeypatch.setenv("WANDB_MODE", "disabled")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the CPU is shared
-    yield
-    torch.set_num_threads(threads)
 
 
 def arguments(files, out: Path, **overrides) -> list[str]:

@@ -39,6 +39,9 @@ from train.medusa import (
     target_hidden,
 )
 
+pytestmark = pytest.mark.usefixtures("trainer_env")
+
+
 REPO = Path(__file__).resolve().parents[1]
 PEFT_WARNING = "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"
 
@@ -79,16 +82,6 @@ def files(tmp_path_factory):
                                     for a in (7, 30)))
     return {"root": root, "target": str(target), "data": [str(data)],
             "eval": str(eval_prompts)}
-
-
-@pytest.fixture(autouse=True)
-def quiet_and_single_threaded(monkeypatch, tmp_path_factory):
-    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
-    monkeypatch.setenv("WANDB_MODE", "disabled")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the CPU is shared
-    yield
-    torch.set_num_threads(threads)
 
 
 def base_config(files, out: Path, **overrides) -> MedusaTrainConfig:

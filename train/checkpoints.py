@@ -146,6 +146,19 @@ def make_accelerator(cfg) -> Accelerator:
     return accelerator
 
 
+def refuse_sharded(accelerator: Accelerator, why: str) -> None:
+    """Refuse FSDP and DeepSpeed ZeRO-3, which split a model's weights over processes.
+
+    ``why``: what the trainer does from one process that needs the whole model there.
+    """
+    sharded = accelerator.distributed_type == DistributedType.FSDP or (
+        accelerator.distributed_type == DistributedType.DEEPSPEED
+        and accelerator.state.deepspeed_plugin.zero_stage == 3)
+    if sharded:
+        raise ValueError(f"{why}: launch with DDP (configs/accelerate/multi_gpu.yaml) or "
+                         "DeepSpeed ZeRO-2, not FSDP / ZeRO-3")
+
+
 def make_optimizer(model: nn.Module, cfg) -> torch.optim.AdamW:
     """AdamW over the trainable parameters; weight decay on matrices only (not biases, norms)."""
     decay, no_decay = [], []

@@ -61,7 +61,6 @@ if __package__ in (None, ""):
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
 from jinja2.exceptions import TemplateError
 from torch import nn
 
@@ -77,6 +76,7 @@ from train.checkpoints import (
     make_accelerator,
     make_optimizer,
     make_train_dataloader,
+    refuse_sharded,
     train_batches,
 )
 from train.config import TrainConfig, option, parse_config
@@ -572,21 +572,12 @@ class HeldOutAcceptance:
 # The run
 
 
-def _refuse_sharded(accelerator: Accelerator) -> None:
-    sharded = accelerator.distributed_type == DistributedType.FSDP or (
-        accelerator.distributed_type == DistributedType.DEEPSPEED
-        and accelerator.state.deepspeed_plugin.zero_stage == 3)
-    if sharded:
-        raise ValueError("train/distill.py samples from the draft and exports it from one "
-                         "process, which needs its whole weights there: launch with DDP "
-                         "(configs/accelerate/multi_gpu.yaml) or DeepSpeed ZeRO-2, not FSDP / "
-                         "ZeRO-3 (a draft small enough to pay off fits on one device)")
-
-
 def main(cfg: DistillConfig) -> dict:
     """Train, checkpoint and export; returns step, stop message, artifact path, target, draft."""
     accelerator = make_accelerator(cfg)  # first: seeds before any weights
-    _refuse_sharded(accelerator)
+    refuse_sharded(accelerator, "train/distill.py samples from the draft and exports it from one process, "
+                   "which needs its whole weights there (a draft small enough to pay off fits "
+                   "on one device)")
     target = load_target(cfg.target, device=accelerator.device)  # frozen; never prepared
     pad_id = target.tokenizer.pad_token_id
     pad_id = target.eos_token_ids[0] if pad_id is None else pad_id

@@ -67,7 +67,6 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
 from torch import nn
 
 from distill.draft import add_lora, merge_lora
@@ -94,6 +93,7 @@ from train.checkpoints import (
     make_accelerator,
     make_optimizer,
     make_train_dataloader,
+    refuse_sharded,
     train_batches,
 )
 from train.config import TrainConfig, option, parse_config
@@ -700,17 +700,6 @@ def write_artifact(out_dir: Path, heads: MedusaHeads, target: Target, tree, tree
 # The run
 
 
-def _refuse_sharded(accelerator: Accelerator) -> None:
-    sharded = accelerator.distributed_type == DistributedType.FSDP or (
-        accelerator.distributed_type == DistributedType.DEEPSPEED
-        and accelerator.state.deepspeed_plugin.zero_stage == 3)
-    if sharded:
-        raise ValueError("train/medusa.py measures held-out accuracies, plans the tree and exports "
-                         "from one process, which needs the whole heads there: launch with DDP "
-                         "(configs/accelerate/multi_gpu.yaml) or DeepSpeed ZeRO-2, not FSDP / "
-                         "ZeRO-3")
-
-
 def _log_step(metrics: MetricsLogger, loss: torch.Tensor, stats: StepStats) -> None:
     metrics.add("loss", loss.detach())
     for k in range(stats.hits.shape[0]):
@@ -729,7 +718,8 @@ def main(cfg: MedusaTrainConfig) -> dict:
     """Train, checkpoint, plan the tree and export; returns step, stop message, artifact path,
     tree, tree_info, the frozen target, the verifier (the adapted target in Medusa-2) and heads."""
     accelerator = make_accelerator(cfg)  # first: seeds before any weights
-    _refuse_sharded(accelerator)
+    refuse_sharded(accelerator, "train/medusa.py measures held-out accuracies, plans the tree and exports "
+                   "from one process, which needs the whole heads there")
     target = load_target(cfg.target, device=accelerator.device)  # frozen; never prepared
     pad_id = target.tokenizer.pad_token_id
     pad_id = target.eos_token_ids[0] if pad_id is None else pad_id
