@@ -270,10 +270,14 @@ def measure_acceptance(target: Target, proposer: Proposer, prompts: list[list[in
         for depth, (a, t) in enumerate(zip_longest(g.accepted_at, g.tried_at, fillvalue=0), start=1):
             total.count([depth] * a, [depth] * t)
     tried = total.tried_at
+    accepted = [a for a, _ in zip_longest(total.accepted_at, tried, fillvalue=0)]
     return {
         "tau": decode / total.target_passes if total.target_passes else None,
         "alpha": total.alpha,
-        "alpha_per_depth": [
-            a / t if t else None for a, t in zip_longest(total.accepted_at, tried, fillvalue=0)
-        ],
+        "alpha_per_depth": [a / t if t else None for a, t in zip(accepted, tried)],
+        # the raw counts, so that measurements on several processes can be summed
+        "decode_tokens": decode,
+        "target_passes": total.target_passes,
+        "accepted_per_depth": accepted,
+        "tried_per_depth": list(tried),
     }

@@ -768,8 +768,14 @@ class EagleLoss(nn.Module):
         self.head = head
         self.loss_kwargs = loss_kwargs
 
-    def forward(self, batch: dict, generator: torch.Generator | None = None):
-        return eagle_loss(self.head, batch, generator=generator, **self.loss_kwargs)
+    def forward(self, batch: dict, generator: torch.Generator | None = None,
+                reduction: str = "mean"):
+        """(loss, metrics); ``reduction="sum"``: the loss summed over the scored positions (the
+        mean times ``metrics["tokens"]``), for a loop that normalises over a whole step."""
+        loss, metrics = eagle_loss(self.head, batch, generator=generator, **self.loss_kwargs)
+        if reduction == "sum":
+            loss = loss * metrics["tokens"]
+        return loss, metrics
 
 
 # ------------------------------------------------------------------------------------------------

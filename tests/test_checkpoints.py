@@ -1,4 +1,5 @@
-"""train.checkpoints and TrainConfig: exact resume, atomic saves, pruning, refusals, stopping, DDP.
+"""The training runtime (train/loop.py and the modules it runs on) and TrainConfig: exact resume,
+atomic saves, pruning, refusals, stopping, DDP, the batch plan.
 
 Most tests drive tests/fixtures/toy_train.py, a complete small trainer built from the runtime's
 helpers (a linear head with dropout and noise on a frozen tiny random Llama), in-process; the
@@ -21,30 +22,28 @@ import torch
 import yaml
 from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-from accelerate.utils import DeepSpeedPlugin, DistributedType, FullyShardedDataParallelPlugin
+from accelerate.utils import DeepSpeedPlugin, DistributedType
 from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 from safetensors.torch import load_file
 from torch import nn
-from torch.utils.data import DataLoader
 
+from train.accelerator import (
+    cpu_has_bf16,
+    launched_on_cpu,
+    make_accelerator,
+    resolve_mixed_precision,
+)
+from train.batches import BatchPlan, loss_scale, make_batches, padded_tokens
 from train.checkpoints import (
     STATE_FILE,
     Checkpointer,
-    EpochSampler,
-    GracefulStop,
-    epoch_sampler,
     latest_checkpoint,
-    launched_on_cpu,
-    learning_rate,
     list_checkpoints,
-    make_accelerator,
-    make_optimizer,
-    make_train_dataloader,
-    planned_steps,
     read_checkpoint_state,
-    resolve_mixed_precision,
 )
 from train.config import TrainConfig, config_from_dict, may_change_on_resume, parse_config
+from train.optimizer import learning_rate, make_optimizer
+from train.signals import GracefulStop
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = REPO / "tests" / "fixtures" / "toy_train.py"
@@ -128,11 +127,43 @@ def test_resume_continues_exactly(toy, tmp_path, capsys):
         assert torch.equal(tensor, from_path["weights"][name]), name
 
 
+def test_token_budget_batches_resume_exactly_and_split_over_processes(toy, tmp_path):
+    """Rows of 6..40 tokens in micro-batches of at most 96 tokens (padding counted): a stop and
+    a resume give the uninterrupted run's losses and weights bit for bit, and two processes
+    with one accumulation step each train the same steps as one process with two."""
+    budget = dict(num_rows=60, seq_len=40, min_seq_len=6, max_tokens_per_batch=96,
+                  head_dropout=0.0, head_noise=0.0)
+    whole = run(toy, tmp_path / "whole", **budget)
+    run(toy, tmp_path / "split", stop_after=3, **budget)
+    rest = run(toy, tmp_path / "split", resume="latest", **budget)
+    expected, got = train_records(tmp_path / "whole"), train_records(tmp_path / "split")
+    assert [(r["loss"], r["samples"], r["tokens"]) for r in expected] == \
+        [(r["loss"], r["samples"], r["tokens"]) for r in got]
+    assert len({r["samples"] for r in expected}) == 6  # rows per step vary with their length
+    assert all(r["padding"] < 0.2 for r in expected)
+    for name, tensor in whole["weights"].items():
+        assert torch.equal(tensor, rest["weights"][name]), name
+
+    two = tmp_path / "two"
+    args = [f"--{k}={v}" for k, v in {**BASE, **budget, "max_steps": 3}.items() if v is not None]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", "2", str(TOY), *args, "--gradient_accumulation_steps=1",
+               f"--output_dir={two}"]
+    done = subprocess.run(command, capture_output=True, text=True, env=_subprocess_env(),
+                          cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for a, b in zip(expected[:3], train_records(two), strict=True):
+        assert (a["samples"], a["tokens"]) == (b["samples"], b["tokens"])
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+
+
 def test_trainer_state_records_position_config_and_target(toy, tmp_path):
     run(toy, tmp_path, max_steps=3, save_every=0)
     recorded = read_checkpoint_state(tmp_path / "checkpoints" / "step_3")
-    assert recorded["step"] == 3 and recorded["samples_seen"] == 24
-    assert recorded["samples_per_step"] == 8 and recorded["steps_per_epoch"] == 2
+    assert recorded["step"] == 3 and recorded["rows_seen"] == 24
+    assert recorded["tokens_seen"] == 24 * 16
+    assert recorded["batches"] == {"per_device_batch_size": 4, "max_tokens_per_batch": None,
+                                   "num_processes": 1, "accumulation": 2}
     assert recorded["epoch"] == 1.5 and recorded["dataset_rows"] == 20
     assert recorded["config_class"] == "ToyConfig" and recorded["config"]["learning_rate"] == 1e-2
     assert recorded["target"]["hidden_size"] == 64 and recorded["target"]["num_hidden_layers"] == 2
@@ -200,8 +231,9 @@ def test_resume_refuses_changed_training_keys_and_allows_the_others(toy, tmp_pat
                                    r"checkpoint, 0\.02 now\)"),
         (dict(head_dropout=0.2), r"'head_dropout'"),  # a trainer's own key
         (dict(seed=1, lr_schedule="linear"), r"'seed', 'lr_schedule'"),
-        (dict(per_device_batch_size=2), r"global batch was 8 rows per optimizer step, now it "
-                                        r"is 4"),
+        (dict(per_device_batch_size=2), r"each optimizer step took 2 micro-batches of 4 rows "
+                                        r".*would take 2 micro-batches of 2 rows"),
+        (dict(max_tokens_per_batch=64), r"'max_tokens_per_batch' changed"),
         (dict(num_rows=24), r"'num_rows'"),
         (dict(target="another"), r"'target'"),
     ]
@@ -220,22 +252,25 @@ def test_resume_refuses_another_target_or_other_data(toy, tmp_path):
     cfg = config_from_dict(toy.ToyConfig, {**BASE, "output_dir": str(tmp_path),
                                            "resume": "latest"})
     accelerator = make_accelerator(cfg)
-    loader = make_train_dataloader(toy.synthetic_rows(20, 16), cfg, accelerator, list)
+    rows = toy.synthetic_rows(20, 16)
+
+    def plan(rows):
+        return make_batches(rows, cfg, accelerator, list, lengths=[16] * len(rows),
+                            weights=[12] * len(rows)).plan
+
     head = toy.ToyHead(64, 259, 0.0, 0.0)
     optimizer = make_optimizer(head, cfg)
-    head, optimizer, loader = accelerator.prepare(head, optimizer, loader)
+    head, optimizer = accelerator.prepare(head, optimizer)
     identity = toy.tiny_target(cfg.target).identity()
     for other, pattern in [({"hidden_size": 32}, r"hidden_size: 64 there, 32 here"),
                            ({"name": "tiny-b"}, r"name: 'tiny-llama' there, 'tiny-b' here")]:
-        checkpointer = Checkpointer(accelerator, cfg, {**identity, **other}, loader)
+        checkpointer = Checkpointer(accelerator, cfg, {**identity, **other}, plan(rows))
         with pytest.raises(ValueError, match=f"another target.*{pattern}"):
             checkpointer.resume()
-    assert Checkpointer(accelerator, cfg, identity, loader).resume().step == 2
+    assert Checkpointer(accelerator, cfg, identity, plan(rows)).resume().step == 2
     # other data under the same config (a data file edited in place) changes the order too
-    longer = accelerator.prepare(make_train_dataloader(toy.synthetic_rows(24, 16), cfg,
-                                                       accelerator, list))
     with pytest.raises(ValueError, match="training data had 20 rows then and 24 now"):
-        Checkpointer(accelerator, cfg, identity, longer).resume()
+        Checkpointer(accelerator, cfg, identity, plan(toy.synthetic_rows(24, 16))).resume()
 
 
 def test_resume_specs_and_output_dir_misuse(toy, tmp_path, capsys):
@@ -243,7 +278,7 @@ def test_resume_specs_and_output_dir_misuse(toy, tmp_path, capsys):
     with pytest.raises(ValueError, match=r"already holds checkpoints \(newest: step_4\).*"
                                          r"--resume latest"):
         run(toy, tmp_path / "run")
-    with pytest.raises(ValueError, match=r"newer checkpoints \(step_4\)"):
+    with pytest.raises(ValueError, match=r"newer complete checkpoints \(step_4\)"):
         run(toy, tmp_path / "run", resume=str(tmp_path / "run" / "checkpoints" / "step_2"))
     with pytest.raises(FileNotFoundError, match="not found: .*nowhere"):
         run(toy, tmp_path / "other", resume=str(tmp_path / "nowhere"))
@@ -366,36 +401,55 @@ def test_two_processes_match_one_with_the_same_global_batch(toy, tmp_path):
 # Data order, learning rate, optimizer, accelerator
 
 
-def test_epoch_sampler_orders_epochs_and_resumes_mid_epoch():
-    sampler = EpochSampler(num_rows=20, samples_per_step=8, seed=3)
-    assert sampler.steps_per_epoch == 2 and sampler.samples_per_epoch == 16 and len(sampler) == 16
-    epochs = []
-    for epoch in range(3):
-        sampler.set_epoch(epoch)
-        epochs.append(list(sampler))
-        assert len(set(epochs[-1])) == 16 and set(epochs[-1]) <= set(range(20))
+def test_fixed_row_plan_orders_epochs_and_resumes_mid_epoch():
+    plan = BatchPlan([16] * 20, seed=3, per_device_batch_size=4, accumulation=2)
+    assert [plan.steps_in_epoch(e) for e in range(3)] == [2, 2, 2]  # 20 rows // 8 per step
+    epochs = [[i for step in plan._groups(e) for rows in step for i in rows] for e in range(3)]
+    for rows in epochs:
+        assert len(set(rows)) == 16 and set(rows) <= set(range(20))
     assert epochs[0] != epochs[1] != epochs[2]
-    assert epochs == [EpochSampler(20, 8, seed=3).order(e) for e in range(3)]  # reproducible
-    assert EpochSampler(20, 8, seed=4).order(0) != epochs[0]
-    sampler.start_at(3)  # 3 steps done: epoch 1, its first 8 samples used
-    sampler.set_epoch(1)
-    assert list(sampler) == epochs[1][8:] and len(sampler) == 8
-    sampler.set_epoch(2)
-    assert list(sampler) == epochs[2]
-    assert list(EpochSampler(20, 8, seed=3, shuffle=False)) == list(range(16))
-    with pytest.raises(ValueError, match="20 rows, fewer than one global batch of 32"):
-        EpochSampler(20, 32, seed=0)
+    again = BatchPlan([16] * 20, seed=3, per_device_batch_size=4, accumulation=2)
+    first_six = [s for _, (_, s) in zip(range(6), plan.steps(0))]
+    assert [s for _, (_, s) in zip(range(6), again.steps(0))] == first_six
+    assert BatchPlan([16] * 20, seed=4, per_device_batch_size=4, accumulation=2)._groups(0) \
+        != plan._groups(0)
+    # resuming after 3 steps: epoch 1's second step, then epoch 2 from its start
+    index, step = next(plan.steps(3))
+    assert index == 3 and step == first_six[3] and step.micro_batches == plan._groups(1)[1]
+    assert plan.locate(3) == (1, 1) and plan.epoch_of(3) == 1.5
+    # the same global batch split over processes: the step holds the same rows, process p
+    # takes its accumulation slots
+    two = BatchPlan([16] * 20, seed=3, per_device_batch_size=2, num_processes=2, accumulation=2)
+    for (_, (_, a)), (_, (_, b)) in zip(zip(range(4), plan.steps(0)), zip(range(4), two.steps(0))):
+        assert sorted(i for rows in a.micro_batches for i in rows) == \
+            sorted(i for rows in b.micro_batches for i in rows)
+        assert [i for rows in two.rows_of(b, 0) for i in rows] == list(a.micro_batches[0])
+    in_order = BatchPlan([16] * 20, seed=3, shuffle=False, per_device_batch_size=4)
+    assert in_order._groups(0)[0] == ((0, 1, 2, 3),)
+    with pytest.raises(ValueError, match="fewer micro-batches than one optimizer step"):
+        BatchPlan([16] * 20, seed=0, per_device_batch_size=32)
 
 
-def test_dataloader_keeps_its_sampler_through_prepare(toy, tmp_path):
-    cfg = config_from_dict(toy.ToyConfig, {**BASE, "output_dir": str(tmp_path)})
-    accelerator = make_accelerator(cfg)
-    loader = make_train_dataloader(toy.synthetic_rows(20, 16), cfg, accelerator, list)
-    sampler = epoch_sampler(loader)
-    assert epoch_sampler(accelerator.prepare(loader)) is sampler
-    assert sampler.samples_per_step == 8
-    with pytest.raises(ValueError, match="make_train_dataloader"):
-        epoch_sampler(DataLoader(list(range(10))))
+def test_token_budget_plan_groups_lengths_and_counts_padding():
+    generator = torch.Generator().manual_seed(0)
+    lengths = [int(n) for n in torch.randint(4, 200, (400,), generator=generator)]
+    plan = BatchPlan(lengths, seed=1, max_tokens_per_batch=512)
+    fixed = BatchPlan(lengths, seed=1, per_device_batch_size=4)
+    batches = [rows for step in plan._groups(0) for rows in step]
+    assert all(len(rows) * max(lengths[i] for i in rows) <= 512 for rows in batches)
+    assert sorted(i for rows in batches for i in rows) == list(range(400))  # every row, once
+    real, padded = padded_tokens(lengths, batches)
+    fixed_real, fixed_padded = padded_tokens(lengths, [r for s in fixed._groups(0) for r in s])
+    assert 1 - real / padded < 0.05 < 1 - fixed_real / fixed_padded  # grouping removes padding
+    assert plan._groups(0) != plan._groups(1)  # each epoch regroups and reorders
+    weighted = BatchPlan(lengths, seed=1, max_tokens_per_batch=512, weights=[2.0] * 400)
+    step = next(weighted.steps(0))[1]
+    assert step.weight == 2.0 * step.rows()
+    longest = max(lengths)
+    with pytest.raises(ValueError, match=rf"max_tokens_per_batch 100 is smaller than the longest "
+                                         rf"training row \({longest} tokens\)"):
+        BatchPlan(lengths, seed=0, max_tokens_per_batch=100)
+    assert loss_scale(50.0, num_processes=2, accumulation=4) == pytest.approx(8 / 50)
 
 
 def test_learning_rate_schedules():
@@ -408,9 +462,9 @@ def test_learning_rate_schedules():
     assert [learning_rate(linear, s, 4) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
     constant = TrainConfig(learning_rate=0.3, warmup_steps=0, lr_schedule="constant")
     assert learning_rate(constant, 50, 10) == 0.3
-    assert planned_steps(TrainConfig(max_steps=100, num_epochs=2), 3) == 6
-    assert planned_steps(TrainConfig(max_steps=5, num_epochs=2), 3) == 5
-    assert planned_steps(TrainConfig(max_steps=None, num_epochs=3), 3) == 9
+    plan = BatchPlan([8] * 12, seed=0, per_device_batch_size=4)  # 3 steps per epoch
+    assert plan.total_steps(100, 2) == 6 and plan.total_steps(5, 2) == 5
+    assert plan.total_steps(None, 3) == 9
 
 
 def test_optimizer_decays_matrices_only_and_needs_trainable_parameters():
@@ -425,9 +479,10 @@ def test_optimizer_decays_matrices_only_and_needs_trainable_parameters():
 
 def test_mixed_precision_and_cpu_launch_detection(monkeypatch):
     assert resolve_mixed_precision("bf16") == "bf16" and resolve_mixed_precision("no") == "no"
-    assert resolve_mixed_precision("auto", cpu=True) == "no"
+    cpu_auto = "bf16" if cpu_has_bf16() else "no"
+    assert resolve_mixed_precision("auto", cpu=True) == cpu_auto
     if not torch.cuda.is_available():
-        assert resolve_mixed_precision("auto") == "no"
+        assert resolve_mixed_precision("auto") == cpu_auto
         monkeypatch.delenv("LOCAL_RANK", raising=False)
         assert not launched_on_cpu()
         monkeypatch.setenv("LOCAL_RANK", "0")  # what torchrun sets
@@ -479,7 +534,7 @@ def _launch_args(path: Path):
 
 @pytest.mark.parametrize("name, kind", [
     ("cpu_ddp", DistributedType.MULTI_CPU), ("multi_gpu", DistributedType.MULTI_GPU),
-    ("fsdp", DistributedType.FSDP), ("deepspeed_zero2", DistributedType.DEEPSPEED),
+    ("deepspeed_zero2", DistributedType.DEEPSPEED),
 ])
 def test_accelerate_configs_load_and_configure_their_plugins(name, kind, monkeypatch):
     path = ACCELERATE_CONFIGS / f"{name}.yaml"
@@ -494,13 +549,6 @@ def test_accelerate_configs_load_and_configure_their_plugins(name, kind, monkeyp
         assert args.mixed_precision == "bf16"
     if kind == DistributedType.MULTI_GPU:
         assert args.multi_gpu and prepare_multi_gpu_env(args)["ACCELERATE_MIXED_PRECISION"] == "bf16"
-    if kind == DistributedType.FSDP:
-        for key, value in prepare_multi_gpu_env(args).items():
-            monkeypatch.setenv(key, value)
-        plugin = FullyShardedDataParallelPlugin()
-        assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
-        assert plugin.auto_wrap_policy.__name__ == "transformer_auto_wrap_policy"
-        assert plugin.state_dict_type.name == "SHARDED_STATE_DICT"
     if kind == DistributedType.DEEPSPEED:
         args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
         for key, value in prepare_deepspeed_cmd_env(args)[1].items():
@@ -509,6 +557,25 @@ def test_accelerate_configs_load_and_configure_their_plugins(name, kind, monkeyp
         assert ds["zero_optimization"]["stage"] == 2
         # left to the training config: make_accelerator fills them in
         assert ds["gradient_accumulation_steps"] == "auto" and ds["gradient_clipping"] == "auto"
+
+
+def test_sharded_launches_are_refused_with_what_to_use_instead():
+    from types import SimpleNamespace
+
+    from train.accelerator import refuse_sharded
+
+    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP)
+    zero3 = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, state=SimpleNamespace(
+        deepspeed_plugin=SimpleNamespace(zero_stage=3)))
+    zero2 = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, state=SimpleNamespace(
+        deepspeed_plugin=SimpleNamespace(zero_stage=2)))
+    for accelerator in (fsdp, zero3):
+        with pytest.raises(ValueError, match=r"the reason: launch with DDP "
+                                             r"\(configs/accelerate/multi_gpu.yaml\) or DeepSpeed "
+                                             r"ZeRO-2"):
+            refuse_sharded(accelerator, "the reason")
+    refuse_sharded(zero2, "the reason")
+    assert not (ACCELERATE_CONFIGS / "fsdp.yaml").exists()  # the configs say what the code does
 
 
 def test_checkpoint_state_file_name_is_the_completion_mark(tmp_path):
@@ -523,3 +590,4 @@ def test_checkpoint_state_file_name_is_the_completion_mark(tmp_path):
     (tmp_path / "step_11" / STATE_FILE).write_text(json.dumps({"step": 11, "format_version": 9}))
     with pytest.raises(ValueError, match="newer draftsmith"):
         read_checkpoint_state(tmp_path / "step_11")
+

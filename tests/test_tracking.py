@@ -14,8 +14,11 @@ from safetensors.torch import load_file
 from eval.engine import measure_acceptance
 from eval.proposers import DraftModelProposer
 from eval.sampling import SamplingParams
-from train.checkpoints import TrainState, learning_rate, make_accelerator, read_checkpoint_state
+from train.accelerator import make_accelerator
+from train.batches import BatchPlan
+from train.checkpoints import TrainState, read_checkpoint_state
 from train.config import config_from_dict
+from train.optimizer import learning_rate
 from train.tracking import (
     AcceptanceEval,
     MetricsLogger,
@@ -66,8 +69,9 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def state(step: int, total: int = 10) -> TrainState:
-    return TrainState(step=step, total_steps=total, steps_per_epoch=5, samples_per_step=8,
-                      wandb_run_id="test")
+    plan = BatchPlan([16] * 40, seed=0, per_device_batch_size=8)  # 5 steps of 8 rows an epoch
+    return TrainState(step=step, total_steps=total, plan=plan, wandb_run_id="test",
+                      rows_seen=8 * step, tokens_seen=8 * 16 * step)
 
 
 def test_metrics_jsonl_holds_training_and_acceptance_records(toy, tmp_path, prompts_file, capsys):
@@ -77,9 +81,12 @@ def test_metrics_jsonl_holds_training_and_acceptance_records(toy, tmp_path, prom
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval/tau" in r]
-    assert [r["step"] for r in train] == [2, 4, 6] and [r["step"] for r in evals] == [3, 6]
+    # where training starts (step 0), every eval_every steps and at the end
+    assert [r["step"] for r in train] == [2, 4, 6] and [r["step"] for r in evals] == [0, 3, 6]
     for r in train:
-        assert set(r) == {"step", "loss", "accuracy", "tokens_per_s", "lr", "epoch", "samples"}
+        assert set(r) == {"step", "loss", "accuracy", "padding", "tokens_per_s", "lr",
+                          "peak_memory_gb", "epoch", "samples", "tokens"}
+        assert r["padding"] == 0.0 and r["tokens"] == 16 * r["samples"]  # rows of equal length
         assert r["loss"] > 0 and 0 <= r["accuracy"] <= 1 and r["tokens_per_s"] > 0
         assert r["lr"] == learning_rate(cfg, r["step"] - 1, 6)
         assert r["samples"] == 8 * r["step"] and r["epoch"] == r["step"] / 2
@@ -174,18 +181,18 @@ def test_acceptance_eval_leaves_the_training_random_state_alone(toy, tmp_path, p
         # the target drafting for itself: greedy, so every draft token is accepted
         return DraftModelProposer(target.model, max_depth=2)
 
-    evaluation = AcceptanceEval(accelerator, cfg, target, noisy_proposer, metrics)
+    evaluation = AcceptanceEval(accelerator, cfg, target, noisy_proposer)
     assert len(evaluation.prompts) == 1 and evaluation.prompts[0] == target.chat_ids(PROMPTS[0])
-    assert evaluation.maybe_run(state(4), head) is None  # not due
+    assert evaluation.maybe_run(state(4), head, metrics) is None  # not due
     before = torch.get_rng_state()
-    record = evaluation.maybe_run(state(5), head)
+    record = evaluation.maybe_run(state(5), head, metrics)
     # 4 new tokens: 1 from the prefill, then one round of 2 accepted drafts + 1 target token
     assert record["eval/tau"] == 3.0 and record["eval/alpha"] == 1.0
     assert record["eval/alpha_depth_1"] == record["eval/alpha_depth_2"] == 1.0
     assert read_jsonl(tmp_path / "metrics.jsonl")[-1] == record
     assert torch.equal(torch.get_rng_state(), before)
     assert head.training  # back in training mode
-    assert evaluation.maybe_run(state(10, total=10), head) is not None  # the end is always due
+    assert evaluation.maybe_run(state(10, total=10), head, metrics) is not None  # the end is due
     metrics.close()
 
 
@@ -196,7 +203,7 @@ def test_acceptance_eval_prompt_files(toy, tmp_path):
     target = toy.tiny_target(cfg.target)
     metrics = MetricsLogger(accelerator, cfg, state(0))
     with pytest.raises(FileNotFoundError, match="nope.jsonl.*eval_every 0"):
-        AcceptanceEval(accelerator, cfg, target, lambda m: None, metrics)
+        AcceptanceEval(accelerator, cfg, target, lambda m: None)
     off = config(toy, tmp_path, eval_every=0, eval_prompts=str(tmp_path / "nope.jsonl"))
-    assert AcceptanceEval(accelerator, off, target, lambda m: None, metrics).prompts == []
+    assert AcceptanceEval(accelerator, off, target, lambda m: None).prompts == []
     metrics.close()

@@ -26,13 +26,12 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-import train.distill as distill_module
+import train.loop as loop_module
 from distill.draft import load_draft, read_draft_info
 from distill.losses import divergence, next_token_mask
 from eval.bench import build_methods
 from eval.sampling import SamplingParams
 from heads.target import load_target
-from train.checkpoints import GracefulStop
 from train.config import config_from_dict, parse_config
 from train.distill import (
     DistillConfig,
@@ -44,6 +43,7 @@ from train.distill import (
     load_distill_rows,
     main,
 )
+from train.signals import GracefulStop
 
 pytestmark = pytest.mark.usefixtures("trainer_env")
 
@@ -342,10 +342,10 @@ def test_resume_continues_exactly_through_on_policy_batches(files, whole_run, tm
                                                             monkeypatch):
     whole, result = whole_run
     assert any(is_on_policy(3, i, 0.5) for i in (2, 3)), "steps 3-4 should hold on-policy ones"
-    monkeypatch.setattr(distill_module, "GracefulStop", StopAfter)
+    monkeypatch.setattr(loop_module, "GracefulStop", StopAfter)
     first = main(base_config(files, tmp_path))
     assert first["step"] == 2 and first["stopped"] and first["artifact"] is None
-    monkeypatch.setattr(distill_module, "GracefulStop", GracefulStop)
+    monkeypatch.setattr(loop_module, "GracefulStop", GracefulStop)
     rest = main(base_config(files, tmp_path, resume="latest"))
     assert rest["step"] == 4
 

@@ -22,15 +22,15 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import train.eagle as eagle_module
+import train.loop as loop_module
 from heads.eagle import EagleHead, load_eagle
 from heads.export import load_exported_eagle
 from heads.export import main as export_main
 from heads.target import load_target
-from train.checkpoints import GracefulStop
 from train.config import parse_config
 from train.data import load_sft_dataset
 from train.eagle import EagleTrainConfig, draft_vocabulary, head_config, main
+from train.signals import GracefulStop
 
 pytestmark = pytest.mark.usefixtures("trainer_env")
 
@@ -306,10 +306,10 @@ def test_exported_layouts_load_back_and_draft_the_same(files, whole_run, tmp_pat
 def test_resume_after_a_stop_continues_exactly(files, whole_run, tmp_path, monkeypatch):
     """Stopped after step 2 (as by SIGTERM), resumed with another eval tree: the same run."""
     version, _, whole, result = whole_run
-    monkeypatch.setattr(eagle_module, "GracefulStop", StopAfter)
+    monkeypatch.setattr(loop_module, "GracefulStop", StopAfter)
     first = main(config(files, tmp_path, version=version, lr_schedule="constant"))
     assert first["step"] == 2 and first["stopped"] and first["artifact"] is None
-    monkeypatch.setattr(eagle_module, "GracefulStop", GracefulStop)
+    monkeypatch.setattr(loop_module, "GracefulStop", GracefulStop)
     rest = main(config(files, tmp_path, version=version, lr_schedule="constant",
                        resume="latest", tree_nodes=5, tree_topk=2))
     assert rest["step"] == 4
@@ -427,11 +427,11 @@ def test_resume_refuses_another_config_target_or_data(files, tmp_path):
     current.unlink()
     current.symlink_to(files["target"])
 
-    # the same number of rows with other words: another draft vocabulary
+    # the same number of rows with other words: other lengths, and another draft vocabulary
     rng = random.Random(5)
     rows = [conversation(rng, 4, 8) for _ in range(16)]
     for row in rows:
         row["messages"][1]["content"] += " ocean mountain"
     write_jsonl(data, rows)
-    with pytest.raises(ValueError, match="draft vocabulary .* differs"):
+    with pytest.raises(ValueError, match="training data changed .*rows of other lengths"):
         main(config(files, out, resume="latest", **common))

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-import train.medusa as medusa_module
+import train.loop as loop_module
 from distill.draft import add_lora
 from distill.losses import forward_kl, next_token_mask
 from eval.engine import SpeculativeEngine
@@ -28,7 +28,6 @@ from eval.medusa import MedusaProposer
 from eval.sampling import SamplingParams
 from heads.medusa import MedusaHeads, export_medusa, load_medusa, medusa_loss, rank_hits
 from heads.target import load_target, resolve_target, wrap_target
-from train.checkpoints import GracefulStop
 from train.config import config_from_dict, config_to_dict, parse_config
 from train.medusa import (
     MedusaObjective,
@@ -38,6 +37,7 @@ from train.medusa import (
     projected_cross_entropy,
     target_hidden,
 )
+from train.signals import GracefulStop
 
 pytestmark = pytest.mark.usefixtures("trainer_env")
 
@@ -380,10 +380,10 @@ def test_an_artifact_for_another_target_is_refused(medusa1):
 
 def test_resume_continues_exactly(files, medusa1, tmp_path, monkeypatch):
     whole, result = medusa1
-    monkeypatch.setattr(medusa_module, "GracefulStop", StopAfter)
+    monkeypatch.setattr(loop_module, "GracefulStop", StopAfter)
     first = main(base_config(files, tmp_path))
     assert first["step"] == 2 and first["stopped"] and first["artifact"] is None
-    monkeypatch.setattr(medusa_module, "GracefulStop", GracefulStop)
+    monkeypatch.setattr(loop_module, "GracefulStop", GracefulStop)
     rest = main(base_config(files, tmp_path, resume="latest"))
     assert rest["step"] == 4
 

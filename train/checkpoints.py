@@ -1,364 +1,75 @@
-"""The training runtime: the accelerator, the optimizer, the data order, checkpoints and stopping.
+"""Checkpoints: where training stands, saved atomically, verified and resumed exactly.
 
 A resumed run continues *exactly* (its next losses equal an uninterrupted run's) because every
-source of difference is pinned down here:
-
-* the seed (:func:`make_accelerator` seeds Python, NumPy and torch before the model is built);
-* the learning rate, a pure function of the optimizer step (:func:`apply_learning_rate`), so the
-  schedule needs no saved state and does not depend on the number of processes (accelerate would
-  step a prepared scheduler once per process per optimizer step);
-* the data order (:func:`make_train_dataloader`): a permutation seeded by ``seed + epoch``, cut
-  to whole optimizer steps, and a resumed epoch that starts after the samples already used; the
-  DataLoader has its own generator, so starting an epoch draws nothing from the global RNG;
-* the head's weights, the optimizer and every process's random state (dropout, noise), saved by
-  ``accelerator.save_state``.
+source of difference is pinned down: the seed (train/accelerator.py), the learning rate (a pure
+function of the step, train/optimizer.py), the data order (a pure function of the seed, the epoch
+and the rows, train/batches.py), and the trained module's weights, the optimizer and every
+process's random state (dropout, noise), saved by ``accelerator.save_state``.
 
 Layout under ``<output_dir>/checkpoints/``::
 
-    step_<N>/        accelerate's state (model.safetensors, optimizer.bin, random_states_<i>.pkl)
-                     and trainer_state.json: step, data position, the config, the target identity
-    .tmp-step_<N>/   a save in progress, renamed to step_<N> once complete: a crash never leaves a
-                     half-written "latest" (only a step_<N> holding trainer_state.json counts)
+    step_<N>/          accelerate's state (model.safetensors, optimizer.bin, random_states_<i>.pkl)
+                       and trainer_state.json: step, data position, the config, the target identity
+    .tmp-step_<N>/     a save in progress, renamed to step_<N> once complete: a crash never leaves
+                       a half-written "latest" (only a step_<N> holding trainer_state.json counts)
+    damaged-step_<N>/  a checkpoint found damaged when resuming from an older one (kept, not used)
 
-A trainer calls the helpers in order (config -> Accelerator -> data -> model -> optimizer -> loop
--> checkpoint -> export); tests/fixtures/toy_train.py is a complete small example::
-
-    accelerator = make_accelerator(cfg)                      # first: seeds before any weights
-    target = load_target(cfg.target, device=accelerator.device)   # frozen; never prepared
-    loader = make_train_dataloader(dataset, cfg, accelerator, collate_fn)
-    head = build_head(...)
-    optimizer = make_optimizer(head, cfg)
-    head, optimizer, loader = accelerator.prepare(head, optimizer, loader)
-    checkpointer = Checkpointer(accelerator, cfg, target.identity(), loader)
-    state = checkpointer.resume()                            # step 0, or where cfg.resume says
-    metrics = MetricsLogger(accelerator, cfg, state)         # train/tracking.py
-    acceptance = AcceptanceEval(accelerator, cfg, target, make_proposer, metrics)
-    with GracefulStop(accelerator) as stop:
-        for batch in train_batches(loader, state):
-            with accelerator.accumulate(head):
-                lr = apply_learning_rate(optimizer, cfg, state)
-                loss = ...
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and cfg.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(head.parameters(), cfg.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad()
-            metrics.add("loss", loss.detach())
-            if not accelerator.sync_gradients:
-                continue
-            state.step += 1
-            stopping = stop.should_stop()
-            metrics.step(state, force=stopping or state.done, lr=lr)
-            acceptance.maybe_run(state, head)
-            if checkpointer.due(state) or stopping or state.done:
-                saved = checkpointer.save(state)
-            if stopping or state.done:
-                break
-    # then: export the unwrapped head (accelerator.get_state_dict) with heads.artifact
+Before loading, every part of a checkpoint is checked (the weights' header, the optimizer state,
+every process's random state, trainer_state.json); a damaged one is reported by name with the
+previous complete checkpoint offered (``--resume previous``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import math
 import os
 import re
 import secrets
 import shutil
-import signal
-import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import torch
 from accelerate import Accelerator
-from accelerate import utils as accelerate_utils
-from accelerate.utils import DistributedType, ProjectConfiguration, parse_flag_from_env, set_seed
-from torch import nn
-from torch.utils.data import DataLoader, Sampler
+from accelerate.utils import load as accelerate_load
+from safetensors import safe_open
 
+from train.batches import BatchPlan
 from train.config import config_diff, config_to_dict, may_change_on_resume, save_config
 
 STATE_FILE = "trainer_state.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-# ------------------------------------------------------------------------------------------------
-# Accelerator and optimizer
-
-
-def _device_backend_available() -> bool:
-    """Whether a device accelerate would run a multi-process job on (CUDA, XPU, NPU, ...) exists."""
-    probes = ("is_xpu_available", "is_npu_available", "is_mlu_available", "is_sdaa_available",
-              "is_musa_available", "is_hpu_available", "is_neuron_available",
-              "is_torch_xla_available")
-    return torch.cuda.is_available() or any(getattr(accelerate_utils, name)() for name in probes)
-
-
-def launched_on_cpu() -> bool:
-    """True for a multi-process launch (torchrun sets LOCAL_RANK) on a machine without a device.
-
-    accelerate then needs ``cpu=True`` to set up gloo (MULTI_CPU); without it every process
-    would run alone and they would all write the same checkpoints.
-    """
-    return int(os.environ.get("LOCAL_RANK", -1)) != -1 and not _device_backend_available()
-
-
-def resolve_mixed_precision(setting: str, cpu: bool = False) -> str:
-    """``auto`` -> bf16 on a CUDA device (fp16 where bf16 is unsupported), ``no`` elsewhere.
-
-    The training config decides, not ``accelerate launch``: the launcher always exports a
-    precision (``no`` when its config file names none), which would silently turn bf16 off.
-    """
-    if setting != "auto":
-        return setting
-    if torch.cuda.is_available() and not cpu and not parse_flag_from_env("ACCELERATE_USE_CPU"):
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return "no"
-
-
-def make_accelerator(cfg) -> Accelerator:
-    """The run's Accelerator (precision, accumulation, trackers, project dir), then the seed.
-
-    Call it first: the seed must be set before the head is built so that its initialisation is
-    the same on every process and in every rerun.
-    """
-    cpu = launched_on_cpu()
-    accelerator = Accelerator(
-        cpu=cpu,
-        mixed_precision=resolve_mixed_precision(cfg.mixed_precision, cpu),
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        log_with="wandb" if cfg.report_to == "wandb" else None,
-        project_config=ProjectConfiguration(project_dir=cfg.output_dir,
-                                            logging_dir=cfg.output_dir),
-        step_scheduler_with_optimizer=False,
-    )
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is not None and plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
-        # DeepSpeed clips inside its own step; the training config says by how much
-        plugin.deepspeed_config["gradient_clipping"] = float(cfg.max_grad_norm)
-    set_seed(cfg.seed)
-    return accelerator
-
-
-def refuse_sharded(accelerator: Accelerator, why: str) -> None:
-    """Refuse FSDP and DeepSpeed ZeRO-3, which split a model's weights over processes.
-
-    ``why``: what the trainer does from one process that needs the whole model there.
-    """
-    sharded = accelerator.distributed_type == DistributedType.FSDP or (
-        accelerator.distributed_type == DistributedType.DEEPSPEED
-        and accelerator.state.deepspeed_plugin.zero_stage == 3)
-    if sharded:
-        raise ValueError(f"{why}: launch with DDP (configs/accelerate/multi_gpu.yaml) or "
-                         "DeepSpeed ZeRO-2, not FSDP / ZeRO-3")
-
-
-def make_optimizer(model: nn.Module, cfg) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters; weight decay on matrices only (not biases, norms)."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
-    if not decay and not no_decay:
-        raise ValueError(f"{type(model).__name__} has no trainable parameters: the module given to "
-                         f"make_optimizer must be the draft being trained, not the frozen target")
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.learning_rate,
-                             betas=(cfg.adam_beta1, cfg.adam_beta2))
-
-
-def learning_rate(cfg, step: int, total_steps: int) -> float:
-    """The learning rate of optimizer step ``step`` (0-based) out of ``total_steps``.
-
-    Linear warmup from ``learning_rate / warmup_steps`` to ``learning_rate`` over the first
-    ``warmup_steps`` steps, then constant, or a linear or cosine decay that reaches
-    ``min_lr_ratio * learning_rate`` at ``total_steps``.
-    """
-    if step < cfg.warmup_steps:
-        return cfg.learning_rate * (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "constant":
-        return cfg.learning_rate
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-    if cfg.lr_schedule == "linear":
-        shape = 1.0 - progress
-    else:
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return cfg.learning_rate * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape)
-
-
-def apply_learning_rate(optimizer, cfg, state: TrainState) -> float:
-    """Set the learning rate of the optimizer step being taken (``state.step`` done so far)."""
-    lr = learning_rate(cfg, state.step, state.total_steps)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    return lr
-
-
-# ------------------------------------------------------------------------------------------------
-# Data order
-
-
-class EpochSampler(Sampler[int]):
-    """Row indices in a seeded order per epoch, whole optimizer steps only, resumable mid-epoch.
-
-    Epoch ``e`` is a permutation drawn from a generator seeded with ``seed + e`` (or the rows in
-    order when ``shuffle`` is off), cut to a multiple of ``samples_per_step``: every optimizer step
-    sees a full global batch, and an epoch never ends inside a gradient accumulation cycle. Every
-    process draws the same permutation; accelerate hands each process its share of each batch.
-    After :meth:`start_at` the epoch holding that step starts at the sample after those used.
-    """
-
-    def __init__(self, num_rows: int, samples_per_step: int, seed: int, shuffle: bool = True):
-        if samples_per_step < 1:
-            raise ValueError(f"samples_per_step must be >= 1, got {samples_per_step}")
-        self.num_rows = num_rows
-        self.samples_per_step = samples_per_step
-        self.steps_per_epoch = num_rows // samples_per_step
-        if self.steps_per_epoch == 0:
-            raise ValueError(
-                f"the training data has {num_rows} rows, fewer than one global batch of "
-                f"{samples_per_step} (per_device_batch_size x processes x "
-                f"gradient_accumulation_steps): add data or lower the batch size")
-        self.seed = seed
-        self.shuffle = shuffle
-        self.epoch = 0
-        self._start = (0, 0)  # (epoch, samples of it already used)
-
-    @property
-    def samples_per_epoch(self) -> int:
-        return self.steps_per_epoch * self.samples_per_step
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def start_at(self, step: int) -> None:
-        """Continue after ``step`` optimizer steps."""
-        epoch, within = divmod(step, self.steps_per_epoch)
-        self._start = (epoch, within * self.samples_per_step)
-
-    def _skip(self) -> int:
-        return self._start[1] if self.epoch == self._start[0] else 0
-
-    def order(self, epoch: int) -> list[int]:
-        """The epoch's full order (before skipping)."""
-        if not self.shuffle:
-            return list(range(self.samples_per_epoch))
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(self.num_rows, generator=generator)[: self.samples_per_epoch].tolist()
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.order(self.epoch)[self._skip():])
-
-    def __len__(self) -> int:
-        return self.samples_per_epoch - self._skip()
-
-
-def _ignore_stop_signals(worker_id: int) -> None:
-    # Ctrl-C reaches the DataLoader workers too; the main process decides when to stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def make_train_dataloader(dataset, cfg, accelerator: Accelerator,
-                          collate_fn: Callable | None = None) -> DataLoader:
-    """A DataLoader over ``dataset`` in :class:`EpochSampler` order; pass it to ``prepare``.
-
-    ``per_device_batch_size`` rows per micro-batch; a global batch (one optimizer step) is that
-    times the processes times ``gradient_accumulation_steps``.
-    """
-    samples_per_step = (cfg.per_device_batch_size * accelerator.num_processes
-                        * accelerator.gradient_accumulation_steps)
-    sampler = EpochSampler(len(dataset), samples_per_step, seed=cfg.seed, shuffle=cfg.shuffle)
-    return DataLoader(
-        dataset, batch_size=cfg.per_device_batch_size, sampler=sampler, drop_last=True,
-        collate_fn=collate_fn, num_workers=cfg.num_workers,
-        # its own generator: worker seeds come from it, not from the global RNG that dropout uses
-        generator=torch.Generator().manual_seed(cfg.seed),
-        worker_init_fn=_ignore_stop_signals if cfg.num_workers else None,
-        pin_memory=accelerator.device.type == "cuda",
-    )
-
-
-def epoch_sampler(loader) -> EpochSampler:
-    """The :class:`EpochSampler` inside a (possibly prepared) DataLoader."""
-    pending, seen = [loader], set()
-    while pending:
-        obj = pending.pop()
-        if isinstance(obj, EpochSampler):
-            return obj
-        if obj is None or id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        pending += [getattr(obj, name, None) for name in ("batch_sampler", "sampler")]
-    raise ValueError(f"{type(loader).__name__} has no EpochSampler: build the DataLoader with "
-                     f"train.checkpoints.make_train_dataloader, so that a resume can continue "
-                     f"the data order exactly")
-
-
-def train_batches(loader, state: TrainState) -> Iterator[Any]:
-    """Micro-batches from the state's position on, epoch after epoch, without end.
-
-    The loop stops it (``state.done``); starting an epoch seeds its order from ``seed + epoch``.
-    """
-    sampler = epoch_sampler(loader)
-    if state.done:  # resumed at or past the end (max_steps lowered): nothing left to train
-        return
-    sampler.start_at(state.step)
-    epoch = state.step // sampler.steps_per_epoch
-    try:
-        while True:
-            sampler.set_epoch(epoch)
-            if hasattr(loader, "set_epoch"):  # a prepared loader re-sets its sampler's epoch
-                loader.set_epoch(epoch)
-            yield from loader
-            epoch += 1
-    finally:
-        # leaving mid-epoch: tell accelerate's gradient state that this loader is done
-        if hasattr(loader, "end"):
-            loader.end()
-
-
-# ------------------------------------------------------------------------------------------------
-# Training state and checkpoints
+_RESULTS = ("artifact", "metrics.jsonl")
 
 
 @dataclass
 class TrainState:
-    """Where training stands. Everything else about the position is derived from ``step``."""
+    """Where training stands: optimizer steps done and what they consumed."""
 
     step: int  # optimizer steps done
     total_steps: int  # training ends here (max_steps, or num_epochs worth of steps)
-    steps_per_epoch: int
-    samples_per_step: int  # global batch: rows per optimizer step over all processes
+    plan: BatchPlan
     wandb_run_id: str
+    rows_seen: int = 0  # rows trained on, over every process
+    tokens_seen: int = 0  # real (non-padding) tokens trained on, over every process
     resumed_from: Path | None = None
 
     @property
     def epoch(self) -> float:
-        return self.step / self.steps_per_epoch
-
-    @property
-    def samples_seen(self) -> int:
-        return self.step * self.samples_per_step
+        return self.plan.epoch_of(self.step)
 
     @property
     def done(self) -> bool:
         return self.step >= self.total_steps
 
 
-def planned_steps(cfg, steps_per_epoch: int) -> int:
-    """Optimizer steps of the run: ``max_steps`` or ``num_epochs`` epochs, whichever is first."""
-    limits = [cfg.max_steps] if cfg.max_steps is not None else []
-    if cfg.num_epochs is not None:
-        limits.append(cfg.num_epochs * steps_per_epoch)
-    return min(limits)
+def data_fingerprint(plan: BatchPlan) -> str:
+    """A digest of the rows' lengths and weights: the data a plan orders (checked on resume)."""
+    digest = hashlib.sha256(json.dumps([plan.lengths, plan.weights]).encode())
+    return digest.hexdigest()[:16]
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
@@ -380,16 +91,79 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
+def step_of(path: Path) -> int:
+    return int(_STEP_DIR.match(path.name).group(1))
+
+
 def read_checkpoint_state(path: str | os.PathLike) -> dict:
     """The trainer_state.json of a checkpoint directory."""
     file = Path(path) / STATE_FILE
     if not file.is_file():
         raise ValueError(f"{path} is not a complete draftsmith checkpoint (no {STATE_FILE})")
-    recorded = json.loads(file.read_text())
+    try:
+        recorded = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{file} is damaged (not valid JSON: {err})") from None
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("step"), int):
+        raise ValueError(f"{file} is damaged (no step recorded)")
     if recorded.get("format_version", 0) > FORMAT_VERSION:
         raise ValueError(f"{path} was written by a newer draftsmith (checkpoint format "
                          f"{recorded['format_version']} > {FORMAT_VERSION}); upgrade draftsmith")
+    if recorded.get("format_version", 0) < FORMAT_VERSION:
+        raise ValueError(f"{path} was written by an older draftsmith (checkpoint format "
+                         f"{recorded.get('format_version', 0)} < {FORMAT_VERSION}), whose data "
+                         f"order this version cannot reproduce; start a new run")
     return recorded
+
+
+def checkpoint_problems(path: str | os.PathLike) -> list[str]:
+    """What is missing or unreadable in a checkpoint (empty: every part exists and loads).
+
+    Checks trainer_state.json, the weights (every ``model*.safetensors`` header and tensor
+    count), the optimizer state (a readable archive) and the random state of every process that
+    saved it. The weights and optimizer are read fully by the resume itself; this catches a
+    truncated or deleted file before anything is loaded.
+    """
+    path = Path(path)
+    try:
+        recorded = read_checkpoint_state(path)
+    except ValueError as err:
+        return [str(err)]
+    problems = []
+    weights = sorted(path.glob("model*.safetensors"))
+    if not weights:
+        problems.append("no model weights (model.safetensors)")
+    for file in weights:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    handle.get_slice(name).get_shape()
+            if file.stat().st_size < 8:
+                raise OSError("empty")
+        except Exception as err:  # noqa: BLE001 - safetensors raises several types
+            problems.append(f"{file.name} is unreadable ({type(err).__name__}: {err})")
+    optimizers = sorted(path.glob("optimizer*.bin"))
+    if not optimizers:
+        problems.append("no optimizer state (optimizer.bin)")
+    for file in optimizers:
+        try:
+            with zipfile.ZipFile(file) as archive:
+                bad = archive.testzip()
+            if bad is not None:
+                raise ValueError(f"corrupt member {bad}")
+        except (zipfile.BadZipFile, ValueError, OSError) as err:
+            problems.append(f"{file.name} is unreadable ({err})")
+    for i in range(int(recorded.get("num_processes", 1))):
+        file = path / f"random_states_{i}.pkl"
+        try:
+            states = accelerate_load(file)
+            if not {"random_state", "numpy_random_seed", "torch_manual_seed"} <= set(states):
+                raise ValueError("random states missing")
+        except Exception as err:  # noqa: BLE001 - torch.load raises many types on garbage
+            problems.append(f"{file.name} (process {i}'s random state) is missing or unreadable "
+                            f"({type(err).__name__}), so dropout and noise would not continue "
+                            f"exactly")
+    return problems
 
 
 def _fsync_tree(directory: Path) -> None:
@@ -414,16 +188,18 @@ class Checkpointer:
 
     Build it after ``accelerator.prepare`` (``resume`` loads into the prepared objects).
     ``target_identity`` is ``Target.identity()``: a checkpoint is refused by a run for another
-    target. A fresh run (``resume`` none) refuses an ``output_dir`` that already holds
-    checkpoints, rather than mixing two runs in one directory.
+    target. A fresh run refuses an ``output_dir`` that already holds checkpoints (continue it with
+    ``--resume latest``) or the results of another run (an artifact or metrics.jsonl: replace them
+    with ``--overwrite``), so that nothing a user has is replaced by accident. Nothing is written
+    before the run has been accepted: a refused resume changes no file.
     """
 
-    def __init__(self, accelerator: Accelerator, cfg, target_identity: dict, loader):
+    def __init__(self, accelerator: Accelerator, cfg, target_identity: dict, plan: BatchPlan):
         self.accelerator = accelerator
         self.cfg = cfg
         self.output_dir = Path(cfg.output_dir)
         self.root = self.output_dir / "checkpoints"
-        self.sampler = epoch_sampler(loader)
+        self.plan = plan
         self.target_identity = dict(target_identity)
         self.last_saved_step: int | None = None
         existing = latest_checkpoint(self.root)
@@ -432,24 +208,32 @@ class Checkpointer:
                 f"output_dir {self.output_dir} already holds checkpoints (newest: {existing.name});"
                 f" continue that run with --resume latest, or start a new one in another "
                 f"--output_dir")
-        if accelerator.is_main_process:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.output_dir / "config.yaml")
-        accelerator.wait_for_everyone()
+        if existing is None and cfg.resume in (None, "latest"):
+            results = [name for name in _RESULTS if (self.output_dir / name).exists()]
+            if results and not cfg.overwrite:
+                raise ValueError(
+                    f"output_dir {self.output_dir} holds the results of an earlier run "
+                    f"({', '.join(results)}) but no checkpoint to continue from; starting here "
+                    f"would replace them. Give another --output_dir, or --overwrite true to "
+                    f"replace them")
 
     def _fresh_state(self) -> TrainState:
-        return TrainState(
-            step=0, total_steps=planned_steps(self.cfg, self.sampler.steps_per_epoch),
-            steps_per_epoch=self.sampler.steps_per_epoch,
-            samples_per_step=self.sampler.samples_per_step,
-            wandb_run_id=secrets.token_hex(4),
-        )
+        return TrainState(step=0, total_steps=self.plan.total_steps(self.cfg.max_steps,
+                                                                      self.cfg.num_epochs),
+                          plan=self.plan, wandb_run_id=secrets.token_hex(4))
 
     def resolve(self, spec: str) -> Path | None:
-        """The checkpoint ``spec`` names: ``latest`` (None if there is none yet), a ``step_<N>``
-        directory, or a run directory / ``checkpoints`` folder (its newest checkpoint)."""
+        """The checkpoint ``spec`` names: ``latest`` (None if there is none yet), ``previous`` (the
+        one before the newest), a ``step_<N>`` directory, or a run directory / ``checkpoints``
+        folder (its newest checkpoint)."""
         if spec == "latest":
             return latest_checkpoint(self.root)
+        if spec == "previous":
+            found = list_checkpoints(self.root)
+            if len(found) < 2:
+                raise ValueError(f"--resume previous: {self.root} holds "
+                                 f"{len(found)} complete checkpoint(s), no previous one")
+            return found[-2]
         path = Path(spec).expanduser()
         if not path.exists():
             raise FileNotFoundError(f"checkpoint to resume from not found: {spec}")
@@ -458,8 +242,8 @@ class Checkpointer:
         newest = latest_checkpoint(path / "checkpoints") or latest_checkpoint(path)
         if newest is None:
             raise ValueError(f"{spec} is neither a checkpoint (no {STATE_FILE}) nor a run "
-                             f"directory holding checkpoints/step_<N>; give one of those or "
-                             f"'latest'")
+                             f"directory holding checkpoints/step_<N>; give one of those, "
+                             f"'latest' or 'previous'")
         return newest
 
     def check_compatible(self, recorded: dict, path: Path) -> None:
@@ -486,51 +270,92 @@ class Checkpointer:
                                f"here" for k in wrong)
             raise ValueError(f"cannot resume from {path}: it was trained for another target "
                              f"({detail}); resume with the target it was trained for")
-        if recorded["samples_per_step"] != self.sampler.samples_per_step:
+        theirs, mine = recorded["batches"], self.plan.budget
+        if _step_rows(theirs) != _step_rows(mine):
             raise ValueError(
-                f"cannot resume from {path} exactly: its global batch was "
-                f"{recorded['samples_per_step']} rows per optimizer step, now it is "
-                f"{self.sampler.samples_per_step} (per_device_batch_size "
-                f"{self.cfg.per_device_batch_size} x {self.accelerator.num_processes} processes x "
-                f"gradient_accumulation_steps {self.accelerator.gradient_accumulation_steps}); "
-                f"choose values whose product is {recorded['samples_per_step']}")
-        if recorded["dataset_rows"] != self.sampler.num_rows:
+                f"cannot resume from {path} exactly: each optimizer step took "
+                f"{_describe_step(theirs)} then and would take {_describe_step(mine)} now; "
+                f"keep max_tokens_per_batch, and keep per_device_batch_size x processes x "
+                f"gradient_accumulation_steps (with a token budget: processes x "
+                f"gradient_accumulation_steps) as they were")
+        if recorded["dataset_rows"] != len(self.plan.lengths):
             raise ValueError(
                 f"cannot resume from {path}: the training data had {recorded['dataset_rows']} "
-                f"rows then and {self.sampler.num_rows} now, so the data order would differ; "
+                f"rows then and {len(self.plan.lengths)} now, so the data order would differ; "
                 f"resume with the same data (and max_length), or start a new run")
+        if recorded["data"] != data_fingerprint(self.plan):
+            raise ValueError(
+                f"cannot resume from {path}: the training data changed (the same number of "
+                f"rows, {len(self.plan.lengths)}, but rows of other lengths), so the batches "
+                f"would differ; resume with the same data (and max_length), or start a new run")
+
+    def _checked(self, path: Path) -> None:
+        problems = checkpoint_problems(path)
+        if not problems:
+            return
+        older = [p for p in list_checkpoints(path.parent) if step_of(p) < step_of(path)
+                 and not checkpoint_problems(p)] if _STEP_DIR.match(path.name) else []
+        offer = (f"resume from the previous complete checkpoint with --resume previous "
+                 f"({older[-1]}) or --resume {older[-1]}" if older else
+                 "no older complete checkpoint is left; start a new run")
+        raise ValueError(f"checkpoint {path} is damaged: {'; '.join(problems)}. {offer}")
+
+    def _set_aside_newer(self, recorded: dict, path: Path) -> None:
+        """Newer checkpoints: refused if complete (another continuation), kept aside if damaged."""
+        newer = [p for p in list_checkpoints(self.root) if step_of(p) > recorded["step"]]
+        intact = [p.name for p in newer if not checkpoint_problems(p)]
+        if intact:
+            raise ValueError(
+                f"cannot resume from {path} into {self.output_dir}: it holds newer complete "
+                f"checkpoints ({', '.join(intact)}) of another continuation, which 'latest' "
+                f"would pick up later; resume into a new --output_dir")
+        if self.accelerator.is_main_process:
+            for damaged in newer:
+                aside = damaged.with_name(f"damaged-{damaged.name}")
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(damaged, aside)
+                self.accelerator.print(f"[draftsmith] damaged checkpoint {damaged} kept as "
+                                       f"{aside}")
+        self.accelerator.wait_for_everyone()
+
+    def _accept(self) -> None:
+        """The run is accepted: now (and only now) its files may be written."""
+        if self.accelerator.is_main_process:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            save_config(self.cfg, self.output_dir / "config.yaml")
+        self.accelerator.wait_for_everyone()
 
     def resume(self) -> TrainState:
         """A fresh state (``cfg.resume`` none), or the loaded state of the checkpoint it names."""
         spec = self.cfg.resume
         if spec is None:
+            self._accept()
             return self._fresh_state()
         if not self.accelerator._models:
-            raise ValueError("Checkpointer.resume() loads into the prepared head and optimizer: "
-                             "call it after accelerator.prepare(head, optimizer, loader)")
+            raise ValueError("Checkpointer.resume() loads into the prepared model and optimizer: "
+                             "call it after accelerator.prepare(model, optimizer)")
         path = self.resolve(spec)
         if path is None:
             self.accelerator.print(f"[draftsmith] --resume latest: no checkpoint in {self.root} "
                                    f"yet, starting at step 0")
+            self._accept()
             return self._fresh_state()
+        self._checked(path)
         recorded = read_checkpoint_state(path)
         self.check_compatible(recorded, path)
-        newer = [p.name for p in list_checkpoints(self.root)
-                 if int(_STEP_DIR.match(p.name).group(1)) > recorded["step"]]
-        if newer:
-            raise ValueError(
-                f"cannot resume from {path} into {self.output_dir}: it holds newer checkpoints "
-                f"({', '.join(newer)}) of another continuation, which 'latest' would pick up "
-                f"later; resume into a new --output_dir")
+        self._set_aside_newer(recorded, path)
         if recorded.get("num_processes") != self.accelerator.num_processes:
             self.accelerator.print(
                 f"[draftsmith] {path} was saved by {recorded.get('num_processes')} process(es), "
                 f"this run has {self.accelerator.num_processes}: data order and learning rate "
                 f"continue exactly, random streams (dropout, noise) do not")
+        self._accept()
         self.accelerator.load_state(str(path))
         self.last_saved_step = recorded["step"]
         state = self._fresh_state()
         state.step = recorded["step"]
+        state.rows_seen = recorded["rows_seen"]
+        state.tokens_seen = recorded["tokens_seen"]
         state.wandb_run_id = recorded.get("wandb_run_id") or state.wandb_run_id
         state.resumed_from = path
         self.accelerator.print(f"[draftsmith] resumed from {path}: step {state.step} of "
@@ -558,8 +383,9 @@ class Checkpointer:
         if accelerator.is_main_process:
             record = {
                 "format_version": FORMAT_VERSION, "step": state.step, "epoch": state.epoch,
-                "samples_seen": state.samples_seen, "samples_per_step": state.samples_per_step,
-                "steps_per_epoch": state.steps_per_epoch, "dataset_rows": self.sampler.num_rows,
+                "rows_seen": state.rows_seen, "tokens_seen": state.tokens_seen,
+                "batches": self.plan.budget, "dataset_rows": len(self.plan.lengths),
+                "data": data_fingerprint(self.plan),
                 "num_processes": accelerator.num_processes, "wandb_run_id": state.wandb_run_id,
                 "config_class": type(self.cfg).__name__, "config": config_to_dict(self.cfg),
                 "target": self.target_identity,
@@ -593,75 +419,18 @@ class Checkpointer:
                 shutil.rmtree(old)
 
 
-# ------------------------------------------------------------------------------------------------
-# Stopping on SIGINT / SIGTERM
+def _step_rows(budget: dict) -> tuple:
+    """What one optimizer step takes from the plan; equal values give the same steps' rows."""
+    micro = budget["num_processes"] * budget["accumulation"]
+    if budget["max_tokens_per_batch"] is not None:
+        return ("tokens", budget["max_tokens_per_batch"], micro)
+    return ("rows", budget["per_device_batch_size"] * micro)
 
 
-class GracefulStop:
-    """Turns SIGINT/SIGTERM into a flag the loop checks after each optimizer step.
-
-    The first signal lets the current step finish; the loop then saves a checkpoint and leaves.
-    A second signal aborts at once (KeyboardInterrupt) without saving; the newest complete
-    checkpoint stays intact. A repeat within ``grace_s`` seconds counts as the same signal:
-    launchers forward a Ctrl-C the workers already received from the terminal (torchrun sends the
-    same signal again, then SIGKILL after 30 s). Used as ``with GracefulStop(accelerator) as
-    stop:``; outside the main thread no handler can be installed and only :meth:`request` stops.
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self, accelerator: Accelerator | None = None, grace_s: float = 1.0):
-        self.accelerator = accelerator
-        self.grace_s = grace_s
-        self.reason: str | None = None
-        self._first_at = 0.0
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> GracefulStop:
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
-
-    def _handle(self, signum: int, frame) -> None:
-        name = signal.Signals(signum).name
-        now = time.monotonic()
-        if self.reason is not None:
-            if now - self._first_at < self.grace_s:
-                return
-            self.__exit__()
-            raise KeyboardInterrupt(f"second stop signal ({name}): aborting without saving")
-        self.reason = name
-        self._first_at = now
-        # os.write, not print: the handler may interrupt a print to the same stream
-        os.write(sys.stderr.fileno(), (
-            f"\n[draftsmith] {name} received: finishing this step, saving a checkpoint, then "
-            f"stopping (send {name} again to abort at once)\n").encode())
-
-    def request(self, reason: str = "stop requested") -> None:
-        """Stop after the current step, as a signal would (for time limits and tests)."""
-        self.reason = reason
-
-    def should_stop(self) -> bool:
-        """Whether any process was asked to stop. Every process must call it at the same step."""
-        local = self.reason is not None
-        accelerator = self.accelerator
-        if accelerator is None or accelerator.num_processes == 1:
-            return local
-        if accelerator.distributed_type == DistributedType.NO:
-            return local
-        flag = torch.tensor([1.0 if local else 0.0], device=accelerator.device)
-        agreed = bool(accelerator.reduce(flag, reduction="sum").item() > 0)
-        if agreed and self.reason is None:
-            self.reason = "a stop signal on another process"
-        return agreed
-
-    def message(self, state: TrainState, checkpoint: Path) -> str:
-        return (f"[draftsmith] stopped by {self.reason} after step {state.step} of "
-                f"{state.total_steps}; checkpoint {checkpoint}; continue with --resume latest "
-                f"(same --output_dir)")
+def _describe_step(budget: dict) -> str:
+    micro = budget["num_processes"] * budget["accumulation"]
+    size = (f"up to {budget['max_tokens_per_batch']} tokens"
+            if budget["max_tokens_per_batch"] is not None
+            else f"{budget['per_device_batch_size']} rows")
+    return (f"{micro} micro-batches of {size} ({budget['num_processes']} processes x "
+            f"{budget['accumulation']} accumulation steps)")

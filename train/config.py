@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import sys
 import types
@@ -261,13 +262,17 @@ def _coerce(key: str, value: Any, hint: Any, source: str) -> Any:
         raise wrong()
     if inner is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 raise wrong() from None
-        raise wrong()
+        else:
+            raise wrong()
+        if not math.isfinite(number):
+            raise wrong("; give a finite number")
+        return number
     if inner is str:
         if isinstance(value, str):
             return value
@@ -363,15 +368,26 @@ class TrainConfig:
         None, "passes over the data (none: until max_steps); the first limit reached ends training",
         may_change_on_resume=True)
     per_device_batch_size: int = option(
-        8, "sequences per process per micro-batch (a resume may change it if the global batch, "
-        "per_device_batch_size x processes x gradient_accumulation_steps, stays the same)",
-        may_change_on_resume=True)
+        8, "rows per process per micro-batch when max_tokens_per_batch is none (a resume may "
+        "change it if the global batch, per_device_batch_size x processes x "
+        "gradient_accumulation_steps, stays the same)", may_change_on_resume=True)
+    max_tokens_per_batch: int | None = option(
+        None, "token budget of a micro-batch, padding counted (rows x longest row): rows of "
+        "similar length are grouped and each micro-batch filled up to it (none: fixed "
+        "per_device_batch_size rows, padded to the longest)")
     gradient_accumulation_steps: int = option(
-        1, "micro-batches per optimizer step (see per_device_batch_size on resuming)",
-        may_change_on_resume=True)
+        1, "micro-batches per process per optimizer step (a resume may change it if processes x "
+        "gradient_accumulation_steps stays the same)", may_change_on_resume=True)
     max_grad_norm: float = option(1.0, "clip the gradient norm to this (0: no clipping)")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = option(
-        "auto", "auto: bf16 on GPU (fp16 where bf16 is unsupported), no (fp32) on CPU")
+        "auto", "auto: bf16 autocast on GPU (fp16 where bf16 is unsupported) and on a CPU with "
+        "native bf16 instructions (AVX-512 BF16, AMX), no (fp32) elsewhere")
+    gradient_checkpointing: bool = option(
+        False, "recompute the trained module's activations in the backward pass instead of "
+        "keeping them (less memory, about a third more compute)", may_change_on_resume=True)
+    dist_timeout_minutes: float = option(
+        60.0, "how long a process waits for the others at a collective before the run fails "
+        "(NCCL's default is 10 minutes)", may_change_on_resume=True)
 
     save_every: int = option(
         500, "save a resumable checkpoint every N optimizer steps (0: only at the end)",
@@ -380,7 +396,11 @@ class TrainConfig:
         2, "keep the newest N checkpoints (none: keep all)", may_change_on_resume=True)
     resume: str | None = option(
         None, "continue a run: 'latest' (the newest checkpoint in output_dir, or a fresh start "
-        "when there is none) or a checkpoint directory", may_change_on_resume=True)
+        "when there is none), 'previous' (the one before the newest, when the newest is "
+        "damaged) or a checkpoint directory", may_change_on_resume=True)
+    overwrite: bool = option(
+        False, "start in an output_dir that holds the results (artifact, metrics.jsonl) of an "
+        "earlier run without checkpoints, replacing them", may_change_on_resume=True)
 
     log_every: int = option(10, "write metrics every N optimizer steps", may_change_on_resume=True)
     report_to: Literal["none", "wandb"] = option(
@@ -410,12 +430,15 @@ class TrainConfig:
             "max_length": 2, "per_device_batch_size": 1, "gradient_accumulation_steps": 1,
             "warmup_steps": 0, "save_every": 0, "log_every": 1, "eval_every": 0,
             "eval_num_prompts": 1, "eval_max_new_tokens": 1, "num_workers": 0,
-            "max_steps": 1, "num_epochs": 1, "keep_checkpoints": 1,
+            "max_steps": 1, "num_epochs": 1, "keep_checkpoints": 1, "max_tokens_per_batch": 2,
         }
         for key, low in at_least.items():
             value = getattr(self, key)
             if value is not None and value < low:
                 raise ValueError(f"config key {key!r} must be >= {low}, got {value}")
+        if not self.dist_timeout_minutes > 0:
+            raise ValueError(f"config key 'dist_timeout_minutes' must be > 0, got "
+                             f"{self.dist_timeout_minutes}")
         for key in ("learning_rate",):
             if not getattr(self, key) > 0:
                 raise ValueError(f"config key {key!r} must be > 0, got {getattr(self, key)}")

@@ -68,20 +68,13 @@ from distill.draft import add_lora, fresh_draft, load_draft, merge_lora, save_dr
 from distill.losses import DIVERGENCES, argmax_agreement, divergence, next_token_mask, tvd
 from eval.proposers import DraftModelProposer
 from heads.target import Target, load_target
-from train.checkpoints import (
-    Checkpointer,
-    GracefulStop,
-    TrainState,
-    apply_learning_rate,
-    make_accelerator,
-    make_optimizer,
-    make_train_dataloader,
-    refuse_sharded,
-    train_batches,
-)
+from train.accelerator import make_accelerator
+from train.batches import make_batches, split_heldout
+from train.checkpoints import TrainState
 from train.config import TrainConfig, option, parse_config
 from train.data import collate_causal_lm, load_sft_dataset, read_conversations
-from train.tracking import AcceptanceEval, MetricsLogger, peak_memory_gb
+from train.loop import Recipe, StepOutput, TrainResult
+from train.tracking import AcceptanceEval, PeriodicEval
 
 FRESH_PREFIX = "fresh:"
 TRUNCATE_PREFIX = "truncate:"
@@ -302,18 +295,6 @@ def load_distill_rows(sources: Sequence[str], target: Target, max_length: int,
     return kept, "\n".join(lines)
 
 
-def split_heldout(rows: list[dict], fraction: float, max_rows: int,
-                  seed: int) -> tuple[list[dict], list[dict]]:
-    """(training rows, held-out rows): a seeded random ``fraction`` (at most ``max_rows``)."""
-    if fraction <= 0 or len(rows) < 2:
-        return rows, []
-    count = min(max_rows, max(1, round(fraction * len(rows))), len(rows) - 1)
-    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
-    held = set(order[:count])
-    return ([r for i, r in enumerate(rows) if i not in held],
-            [r for i, r in enumerate(rows) if i in held])
-
-
 def collate_distill(rows: Sequence[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
     """:func:`train.data.collate_causal_lm`'s batch plus the rows' prompts.
 
@@ -487,7 +468,7 @@ def distill_loss(model: nn.Module, target: Target, batch: dict, cfg: DistillConf
 # Held-out estimate of the acceptance rate
 
 
-class HeldOutAcceptance:
+class HeldOutAcceptance(PeriodicEval):
     """Mean 1 - TVD (acceptance of exact speculative sampling at ``temperature``), argmax
     agreement and the training divergence of the draft against the target on held-out rows.
 
@@ -497,87 +478,84 @@ class HeldOutAcceptance:
     ``heldout/...`` records. Nothing random is drawn, so evaluations never change training.
     """
 
+    name = "heldout"
+
     def __init__(self, accelerator: Accelerator, cfg: DistillConfig, target: Target,
-                 rows: list[dict], metrics: MetricsLogger, pad_token_id: int):
-        self.accelerator = accelerator
+                 rows: list[dict], pad_token_id: int):
+        super().__init__(accelerator)
         self.cfg = cfg
         self.target = target
-        self.metrics = metrics
-        self.pad_token_id = pad_token_id
         self.every = cfg.heldout_every if rows else 0
         self.batches: list[dict] = []
         if not self.every:
             return
         mine = rows[accelerator.process_index::accelerator.num_processes]
         size = cfg.per_device_batch_size
-        with metrics.paused():  # not training time: tokens/s leaves it out
-            for start in range(0, len(mine), size):
-                batch = collate_distill(mine[start:start + size], pad_token_id)
-                batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-                # the target answers the prompt-only rows (on_policy True would answer them all)
-                batch, _, _ = draft_sampled_batch(
-                    batch, target.model, False, max_new_tokens=cfg.on_policy_max_new_tokens,
-                    temperature=cfg.temperature, eos_token_ids=target.eos_token_ids,
-                    pad_token_id=pad_token_id, max_length=cfg.max_length,
-                    seed=_seed_from(cfg.seed, 2, accelerator.process_index, start))
-                self.batches.append({k: batch[k] for k in ("input_ids", "attention_mask",
-                                                           "loss_mask")})
+        for start in range(0, len(mine), size):
+            batch = collate_distill(mine[start:start + size], pad_token_id)
+            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            # the target answers the prompt-only rows (on_policy True would answer them all)
+            batch, _, _ = draft_sampled_batch(
+                batch, target.model, False, max_new_tokens=cfg.on_policy_max_new_tokens,
+                temperature=cfg.temperature, eos_token_ids=target.eos_token_ids,
+                pad_token_id=pad_token_id, max_length=cfg.max_length,
+                seed=_seed_from(cfg.seed, 2, accelerator.process_index, start))
+            self.batches.append({k: batch[k] for k in ("input_ids", "attention_mask",
+                                                       "loss_mask")})
 
-    def due(self, state: TrainState) -> bool:
-        return bool(self.every) and (state.step % self.every == 0 or state.done)
-
-    def maybe_run(self, state: TrainState, model: nn.Module, force: bool = False) -> dict | None:
-        """Estimate when due (or ``force``); every process calls it. Returns the record (main)."""
-        if not self.every or not (force or self.due(state)):
-            return None
-        accelerator = self.accelerator
-        module = accelerator.unwrap_model(model)
-        was_training = module.training
+    def measure(self, module) -> torch.Tensor:
         # float64 sums: (1 - tvd), agreement, divergence, positions
-        sums = torch.zeros(4, dtype=torch.float64, device=accelerator.device)
-        with self.metrics.paused(), torch.no_grad(), accelerator.autocast():
-            module.eval()
-            try:
-                for batch in self.batches:
-                    loss, draft_logits, target_logits = distill_loss(
-                        module, self.target, batch, self.cfg, reduction="sum")
-                    n = draft_logits.shape[0]
-                    ones = torch.ones(n, device=draft_logits.device)
-                    rejected = tvd(draft_logits, target_logits, ones,
-                                   temperature=self.cfg.temperature,
-                                   chunk_size=self.cfg.chunk_size, reduction="sum")
-                    agree = argmax_agreement(draft_logits, target_logits, ones) * n
-                    sums += torch.stack([n - rejected.double(), agree.double(),
-                                         loss.double(), torch.tensor(float(n), dtype=torch.float64,
-                                                                     device=sums.device)])
-            finally:
-                module.train(was_training)
-        if accelerator.num_processes > 1:
-            sums = accelerator.reduce(sums, reduction="sum")
-        accepted, agree, loss_sum, count = sums.tolist()
-        if not accelerator.is_main_process or not count:
+        sums = torch.zeros(4, dtype=torch.float64, device=self.accelerator.device)
+        for batch in self.batches:
+            loss, draft_logits, target_logits = distill_loss(module, self.target, batch, self.cfg,
+                                                             reduction="sum")
+            n = draft_logits.shape[0]
+            ones = torch.ones(n, device=draft_logits.device)
+            rejected = tvd(draft_logits, target_logits, ones, temperature=self.cfg.temperature,
+                           chunk_size=self.cfg.chunk_size, reduction="sum")
+            agree = argmax_agreement(draft_logits, target_logits, ones) * n
+            sums += torch.stack([n - rejected.double(), agree.double(), loss.double(),
+                                 torch.tensor(float(n), dtype=torch.float64, device=sums.device)])
+        return sums
+
+    def summarise(self, state: TrainState, sums: list[float]) -> dict | None:
+        accepted, agree, loss_sum, count = sums
+        if not count:
             return None
-        record = {"step": state.step, "heldout/acceptance": accepted / count,
-                  "heldout/agreement": agree / count,
-                  f"heldout/{self.cfg.divergence}": loss_sum / count,
-                  "heldout/positions": int(count)}
-        self.metrics.log(record)
-        self.metrics.bar.write(f"[draftsmith] step {state.step}: held-out 1 - TVD "
-                               f"{record['heldout/acceptance']:.4f}, argmax agreement "
-                               f"{record['heldout/agreement']:.4f} over {int(count)} positions")
-        return record
+        return {"step": state.step, "heldout/acceptance": accepted / count,
+                "heldout/agreement": agree / count,
+                f"heldout/{self.cfg.divergence}": loss_sum / count,
+                "heldout/positions": int(count)}
+
+    def describe(self, record: dict) -> str:
+        return (f"held-out 1 - TVD {record['heldout/acceptance']:.4f}, argmax agreement "
+                f"{record['heldout/agreement']:.4f} over {record['heldout/positions']} positions")
 
 
 # ------------------------------------------------------------------------------------------------
 # The run
 
 
-def main(cfg: DistillConfig) -> dict:
-    """Train, checkpoint and export; returns step, stop message, artifact path, target, draft."""
+def planned_sizes(rows: list[dict], cfg: DistillConfig) -> tuple[list[int], list[int]]:
+    """(tokens a row may take, tokens its loss may score), known before any sampling.
+
+    A row the draft may continue (any row when ``on_policy_ratio`` > 0; a prompt-only row always)
+    is planned at its prompt plus ``on_policy_max_new_tokens``, so a token budget is never
+    exceeded by a sampled continuation.
+    """
+    lengths, scored = [], []
+    for row in rows:
+        sampled_length = min(cfg.max_length, len(row["prompt_ids"]) + cfg.on_policy_max_new_tokens)
+        may_sample = cfg.on_policy_ratio > 0 or not row["answered"]
+        lengths.append(max(len(row["input_ids"]), sampled_length) if may_sample
+                       else len(row["input_ids"]))
+        scored.append(int(sum(row["loss_mask"])))
+    return lengths, scored
+
+
+def build(cfg: DistillConfig) -> Recipe:
+    """The run, ready to train: target, rows, the draft, its loss, evaluation and export."""
     accelerator = make_accelerator(cfg)  # first: seeds before any weights
-    refuse_sharded(accelerator, "train/distill.py samples from the draft and exports it from one process, "
-                   "which needs its whole weights there (a draft small enough to pay off fits "
-                   "on one device)")
     target = load_target(cfg.target, device=accelerator.device)  # frozen; never prepared
     pad_id = target.tokenizer.pad_token_id
     pad_id = target.eos_token_ids[0] if pad_id is None else pad_id
@@ -593,83 +571,57 @@ def main(cfg: DistillConfig) -> dict:
         else:
             rows, heldout_rows = split_heldout(rows, cfg.heldout_fraction, cfg.heldout_max_rows,
                                                cfg.seed)
+            heldout_rows = heldout_rows or []
             summary += (f"\nheld out {len(heldout_rows)} of them for the 1 - TVD estimate; "
                         f"{len(rows)} rows to train on")
     accelerator.print(summary)
-    loader = make_train_dataloader(rows, cfg, accelerator,
-                                   partial(collate_distill, pad_token_id=pad_id))
+    lengths, scored = planned_sizes(rows, cfg)
 
+    def weight(micro_rows, micro_index: int) -> float:
+        # a sampled row's loss is a sum over up to on_policy_max_new_tokens tokens
+        on_policy = is_on_policy(cfg.seed, micro_index, cfg.on_policy_ratio)
+        return float(sum(cfg.on_policy_max_new_tokens if on_policy or not rows[i]["answered"]
+                         else scored[i] for i in micro_rows))
+
+    batches = make_batches(rows, cfg, accelerator, partial(collate_distill, pad_token_id=pad_id),
+                           lengths=lengths, weight_fn=weight)
     draft = build_draft(cfg, target)  # model: the only trainable module
-    optimizer = make_optimizer(draft, cfg)
-    model, optimizer, loader = accelerator.prepare(draft, optimizer, loader)
-    checkpointer = Checkpointer(accelerator, cfg, target.identity(), loader)
-    state = checkpointer.resume()
-    metrics = MetricsLogger(accelerator, cfg, state)
+    sampling = {"max_new_tokens": cfg.on_policy_max_new_tokens,
+                "temperature": cfg.on_policy_temperature, "eos_token_ids": target.eos_token_ids,
+                "pad_token_id": pad_id, "max_length": cfg.max_length}
+
+    def step(model, batch: dict, micro_index: int) -> StepOutput:
+        on_policy = is_on_policy(cfg.seed, micro_index, cfg.on_policy_ratio)
+        batch, sampled_rows, sampled_tokens = draft_sampled_batch(
+            batch, accelerator.unwrap_model(model), on_policy,
+            seed=_seed_from(cfg.seed, 1, micro_index, accelerator.process_index), **sampling)
+        loss, draft_logits, target_logits = distill_loss(model, target, batch, cfg,
+                                                         reduction="sum")
+        n = draft_logits.shape[0]
+        ones = torch.ones(n, device=draft_logits.device)
+        agree = argmax_agreement(draft_logits, target_logits, ones).detach() * n
+        return StepOutput(loss, {"agreement": (agree, n), "on_policy": (float(on_policy), 1),
+                                 "sampled_tokens": (sampled_tokens, sampled_rows)})
+
     acceptance = AcceptanceEval(
         accelerator, cfg, target,
         lambda module: DraftModelProposer(
             inference_model(module), max_depth=cfg.draft_depth,
             min_confidence=cfg.draft_min_confidence, branching=cfg.draft_branching or None,
-            children=cfg.draft_children),
-        metrics)
-    heldout = HeldOutAcceptance(accelerator, cfg, target, heldout_rows, metrics, pad_id)
-    if state.step == 0:  # where the draft starts, for comparison
-        heldout.maybe_run(state, model, force=True)
-        acceptance.maybe_run(state, model, force=True)
+            children=cfg.draft_children))
+    heldout = HeldOutAcceptance(accelerator, cfg, target, heldout_rows, pad_id)
+    return Recipe(cfg, accelerator, target, batches, draft, step,
+                  export=partial(export, cfg, accelerator, target),
+                  evaluators=[heldout, acceptance])
 
-    sampling = {"max_new_tokens": cfg.on_policy_max_new_tokens,
-                "temperature": cfg.on_policy_temperature, "eos_token_ids": target.eos_token_ids,
-                "pad_token_id": pad_id, "max_length": cfg.max_length}
-    accumulation = accelerator.gradient_accumulation_steps
-    micro = 0  # micro-batches since the last optimizer step
-    saved = stopped = None
-    with GracefulStop(accelerator) as stop:  # loop
-        for batch in train_batches(loader, state):
-            index = state.step * accumulation + micro
-            on_policy = is_on_policy(cfg.seed, index, cfg.on_policy_ratio)
-            batch, sampled_rows, sampled_tokens = draft_sampled_batch(
-                batch, accelerator.unwrap_model(model), on_policy,
-                seed=_seed_from(cfg.seed, 1, index, accelerator.process_index),
-                autocast=accelerator.autocast(), **sampling)
-            micro += 1
-            with accelerator.accumulate(model):
-                lr = apply_learning_rate(optimizer, cfg, state)
-                loss, draft_logits, target_logits = distill_loss(model, target, batch, cfg)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and cfg.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad()
-            n = draft_logits.shape[0]
-            ones = torch.ones(n, device=draft_logits.device)
-            metrics.add("loss", loss.detach())
-            metrics.add("agreement", argmax_agreement(draft_logits, target_logits, ones) * n, n)
-            metrics.add("on_policy", float(on_policy))
-            metrics.add("sampled_tokens", sampled_tokens, sampled_rows)
-            metrics.count_tokens(batch["attention_mask"].sum())
-            del draft_logits, target_logits
-            if not accelerator.sync_gradients:
-                continue
-            micro = 0
-            state.step += 1
-            stopping = stop.should_stop()  # every process, every step
-            metrics.step(state, force=stopping or state.done, lr=lr,
-                         peak_memory_gb=round(peak_memory_gb(accelerator.device), 3))
-            heldout.maybe_run(state, model)
-            acceptance.maybe_run(state, model)
-            if checkpointer.due(state) or stopping or state.done:  # checkpoint
-                saved = checkpointer.save(state)
-            if stopping:
-                stopped = stop.message(state, saved)
-                accelerator.print(stopped)
-                break
-            if state.done:
-                break
 
-    accelerator.wait_for_everyone()  # export: the merged plain model, from the main process
-    module = accelerator.unwrap_model(model)
+def export(cfg: DistillConfig, accelerator, target: Target, result: TrainResult) -> dict:
+    """The merged plain model, written by the main process after a completed run; returns step,
+    stop message, artifact path, target, draft."""
+    accelerator.wait_for_everyone()
+    module = accelerator.unwrap_model(result.model)
     artifact = None
-    if accelerator.is_main_process and stopped is None:
+    if accelerator.is_main_process and result.completed:
         plain = merge_lora(module) if cfg.lora else module
         plain.eval()
         artifact = save_draft(plain, target.tokenizer, Path(cfg.output_dir) / "artifact",
@@ -678,16 +630,22 @@ def main(cfg: DistillConfig) -> dict:
                                   "divergence": cfg.divergence, "beta": cfg.beta,
                                   "temperature": cfg.temperature,
                                   "on_policy_ratio": cfg.on_policy_ratio, "lora": cfg.lora,
-                                  "steps": state.step})
+                                  "steps": result.state.step})
         module = plain
         accelerator.print(f"[draftsmith] draft written to {artifact}; measure it with "
                           f"python -m eval.bench --target {cfg.target} --method plain "
                           f"--method draft:{artifact} --prompts {cfg.eval_prompts}")
     accelerator.wait_for_everyone()
-    metrics.close()
+    result.metrics.close()
     accelerator.end_training()
-    return {"step": state.step, "stopped": stopped, "artifact": artifact, "target": target,
-            "draft": module}
+    return {"step": result.state.step, "stopped": result.stopped, "artifact": artifact,
+            "target": target, "draft": module}
+
+
+def main(cfg: DistillConfig) -> dict:
+    """Train, checkpoint and export (see :func:`export` for what it returns)."""
+    recipe = build(cfg)
+    return recipe.export(recipe.train())
 
 
 if __name__ == "__main__":

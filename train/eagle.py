@@ -68,19 +68,13 @@ from heads.eagle import (
     target_features,
 )
 from heads.target import Target, load_target
-from train.checkpoints import (
-    Checkpointer,
-    GracefulStop,
-    apply_learning_rate,
-    make_accelerator,
-    make_optimizer,
-    make_train_dataloader,
-    train_batches,
-)
+from train.accelerator import make_accelerator
+from train.batches import make_batches, row_sizes
 from train.config import TrainConfig, option, parse_config
 from train.data import collate_causal_lm, load_sft_dataset
 from train.eagle_features import FeatureCache, collate_features, write_feature_cache
-from train.tracking import AcceptanceEval, MetricsLogger, peak_memory_gb
+from train.loop import Recipe, StepOutput, TrainResult
+from train.tracking import AcceptanceEval
 
 
 @dataclass
@@ -194,9 +188,8 @@ def check_resumed_vocabulary(head: EagleHead, d2t: torch.Tensor, t2d: torch.Tens
 # The run
 
 
-def main(cfg: EagleTrainConfig) -> dict:
-    """Train, checkpoint and export; returns step, stop message, artifact path, data report,
-    target and the trained head (unwrapped)."""
+def build(cfg: EagleTrainConfig) -> Recipe:
+    """The run, ready to train: target, data, head, loss, evaluation and export."""
     accelerator = make_accelerator(cfg)  # first: seeds before any weights
     target = load_target(cfg.target, device=accelerator.device)  # frozen; never prepared
     pad_id = target.tokenizer.pad_token_id
@@ -222,75 +215,55 @@ def main(cfg: EagleTrainConfig) -> dict:
     else:
         rows = dataset
         collate = partial(collate_causal_lm, pad_token_id=pad_id)
-    loader = make_train_dataloader(rows, cfg, accelerator, collate)
+    lengths, scored = row_sizes(dataset)
+    batches = make_batches(rows, cfg, accelerator, collate, lengths=lengths, weights=scored)
 
-    # model: fp32 master weights (accelerate's autocast runs them in bf16 on GPU); the loss
-    # wraps the head so that the whole training-time test is one DDP forward
+    # model: fp32 master weights (accelerate's autocast runs them in bf16 where configured); the
+    # loss wraps the head so that the whole training-time test is one DDP forward
     head = EagleHead(config, target, d2t=d2t, t2d=t2d, dtype=torch.float32)
     maps = (d2t.clone(), t2d.clone())  # the head's buffers may share them; a resume overwrites
     model = EagleLoss(head, steps=cfg.ttt_steps, decay=cfg.ttt_decay,
                       feature_noise=cfg.feature_noise, ce_weight=cfg.ce_weight)
-    optimizer = make_optimizer(model, cfg)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    checkpointer = Checkpointer(accelerator, cfg, target.identity(), loader)
-    state = checkpointer.resume()
-    check_resumed_vocabulary(accelerator.unwrap_model(model).head, *maps, state.resumed_from)
-    metrics = MetricsLogger(accelerator, cfg, state)
+
+    def step(model, batch: dict, micro_index: int) -> StepOutput:
+        if cfg.feature_mode == "online":  # (B, S, F) features and (B, S, h) last hidden
+            batch.update(target_features(target, batch["input_ids"], batch["attention_mask"],
+                                         config))
+        loss, parts = model(batch, reduction="sum")
+        tokens = parts.pop("tokens")  # predicted positions of this micro-batch (step 0)
+        logged = {}
+        for name, value in parts.items():
+            if name == "loss":
+                continue  # the loop logs the loss itself, per token over the whole step
+            # a fraction of tokens is weighted by them; other parts are means per micro-batch
+            logged[name] = (value * tokens, tokens) if name.startswith("acc_") else (value, 1)
+        return StepOutput(loss, logged)
+
+    def check_vocabulary(state, module) -> None:
+        check_resumed_vocabulary(module.head, *maps, state.resumed_from)
+
+    first = {**{f"data/{k}": v for k, v in report.totals().items()},
+             "data/sequences": len(dataset)}
+    if config.version == 3:
+        first.update({"draft_vocab/size": config.draft_vocab_size,
+                      "draft_vocab/coverage": coverage})
     acceptance = AcceptanceEval(
         accelerator, cfg, target,
-        lambda module: EagleProposer(module.head, cfg.tree_depth, cfg.tree_topk, cfg.tree_nodes),
-        metrics)
-    if state.step == 0:  # what the run starts from, for comparison
-        record = {"step": 0, **{f"data/{k}": v for k, v in report.totals().items()},
-                  "data/sequences": len(dataset)}
-        if config.version == 3:
-            record.update({"draft_vocab/size": config.draft_vocab_size,
-                           "draft_vocab/coverage": coverage})
-        metrics.log(record)
-        acceptance.maybe_run(state, model, force=True)
+        lambda module: EagleProposer(module.head, cfg.tree_depth, cfg.tree_topk, cfg.tree_nodes))
+    return Recipe(cfg, accelerator, target, batches, model, step,
+                  export=partial(export, cfg, accelerator, target, config, report),
+                  evaluators=[acceptance], first_record=first, on_resume=check_vocabulary)
 
-    saved = stopped = None
-    with GracefulStop(accelerator) as stop:  # loop
-        for batch in train_batches(loader, state):
-            if cfg.feature_mode == "online":  # (B, S, F) features and (B, S, h) last hidden
-                batch.update(target_features(target, batch["input_ids"], batch["attention_mask"],
-                                             config))
-            with accelerator.accumulate(model):
-                lr = apply_learning_rate(optimizer, cfg, state)
-                loss, parts = model(batch)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and cfg.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad()
-            tokens = parts.pop("tokens")  # predicted positions of this micro-batch (step 0)
-            for name, value in parts.items():
-                if name.startswith("acc_"):  # a fraction of tokens: weighted by them
-                    metrics.add(name, value * tokens, tokens)
-                else:  # a mean per micro-batch, as the optimizer sees it
-                    metrics.add(name, value)
-            metrics.count_tokens(batch["attention_mask"].sum())
-            if not accelerator.sync_gradients:
-                continue
-            state.step += 1
-            stopping = stop.should_stop()  # every process, every step
-            metrics.step(state, force=stopping or state.done, lr=lr,
-                         peak_memory_gb=round(peak_memory_gb(accelerator.device), 3))
-            acceptance.maybe_run(state, model)
-            if checkpointer.due(state) or stopping or state.done:  # checkpoint
-                saved = checkpointer.save(state)
-            if stopping:
-                stopped = stop.message(state, saved)
-                accelerator.print(stopped)
-                break
-            if state.done:
-                break
 
-    # export: every process takes part in gathering the weights (sharded under FSDP/ZeRO-3)
-    weights = accelerator.get_state_dict(model)
-    head = accelerator.unwrap_model(model).head
+def export(cfg: EagleTrainConfig, accelerator, target: Target, config: EagleConfig, report,
+           result: TrainResult) -> dict:
+    """The artifact, written by the main process after a completed run; returns step, stop
+    message, artifact path, data report, target and the trained head (unwrapped)."""
+    # every process takes part in gathering the weights
+    weights = accelerator.get_state_dict(result.model)
+    head = accelerator.unwrap_model(result.model).head
     artifact = None
-    if accelerator.is_main_process and stopped is None:
+    if accelerator.is_main_process and result.completed:
         state_dict = {name.removeprefix("head."): tensor for name, tensor in weights.items()}
         artifact = save_artifact(Path(cfg.output_dir) / "artifact", config.method,
                                  config.to_dict(), state_dict, target.identity())
@@ -301,10 +274,17 @@ def main(cfg: EagleTrainConfig) -> dict:
             f"  measure: python -m eval.bench --target {cfg.target} --method hf "
             f"--method eagle:{artifact} --prompts {cfg.eval_prompts} --num-prompts 8")
     accelerator.wait_for_everyone()
-    metrics.close()
+    result.metrics.close()
     accelerator.end_training()
-    return {"step": state.step, "stopped": stopped, "artifact": artifact, "report": report,
-            "target": target, "head": head}
+    return {"step": result.state.step, "stopped": result.stopped, "artifact": artifact,
+            "report": report, "target": target, "head": head}
+
+
+def main(cfg: EagleTrainConfig) -> dict:
+    """Train, checkpoint and export; returns step, stop message, artifact path, data report,
+    target and the trained head (unwrapped)."""
+    recipe = build(cfg)
+    return recipe.export(recipe.train())
 
 
 if __name__ == "__main__":

@@ -67,11 +67,11 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 from torch import nn
 
 from distill.draft import add_lora, merge_lora
 from distill.losses import next_token_mask
-from eval.engine import measure_acceptance
 from eval.medusa import MedusaProposer, build_medusa_tree, expected_tau, plan_medusa_tree
 from heads.artifact import FORMAT_VERSION
 from heads.medusa import (
@@ -85,20 +85,13 @@ from heads.medusa import (
     save_medusa,
 )
 from heads.target import Target, load_target, wrap_target
-from train.checkpoints import (
-    Checkpointer,
-    GracefulStop,
-    TrainState,
-    apply_learning_rate,
-    make_accelerator,
-    make_optimizer,
-    make_train_dataloader,
-    refuse_sharded,
-    train_batches,
-)
+from train.accelerator import make_accelerator
+from train.batches import make_batches, row_sizes, split_heldout
+from train.checkpoints import TrainState
 from train.config import TrainConfig, option, parse_config
 from train.data import collate_causal_lm, load_sft_dataset, regenerate
-from train.tracking import AcceptanceEval, MetricsLogger, peak_memory_gb
+from train.loop import Recipe, StepOutput, TrainResult
+from train.tracking import AcceptanceEval, PeriodicEval
 
 TRAIN_TOPK = 5  # ranks counted on training batches: enough for the logged top-1 and top-5
 _MEDUSA2_ONLY = {"kl_weight": 1.0, "lm_loss_weight": 0.0, "lora_r": 16, "lora_alpha": 32.0,
@@ -419,12 +412,16 @@ class MedusaObjective(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 loss_mask: torch.Tensor, teacher_hidden: torch.Tensor,
-                topk: int = TRAIN_TOPK) -> tuple[torch.Tensor, StepStats]:
+                topk: int = TRAIN_TOPK, reduction: str = "mean") -> tuple[torch.Tensor, StepStats]:
         """-> (loss, stats) for one micro-batch; teacher_hidden (B, T, H) from the frozen target.
 
         loss = heads_loss_weight * sum_k decay**k * mean loss of head k
                [+ kl_weight * KL(original || adapted) + lm_loss_weight * CE(adapted), Medusa-2]
+        ``reduction="sum"``: the same with every mean replaced by the sum over its positions
+        (for a loop that normalises by the tokens of the whole optimizer step).
         """
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
         target = self.target
         if self.adapted is None:
             hidden = teacher_hidden  # (B, T, H), no gradient: the target is frozen
@@ -444,7 +441,7 @@ class MedusaObjective(nn.Module):
                 soft_weight=1.0 if self.soft_labels else 0.0,
                 chunk_size=self.chunk_size, topk=topk)
             mean = out.loss / max(out.count, 1)
-            weighted = self.decay ** k * mean
+            weighted = self.decay ** k * (out.loss if reduction == "sum" else mean)
             heads_loss = weighted if heads_loss is None else heads_loss + weighted
             losses.append(mean.detach())
             hits.append(out.hits)
@@ -454,10 +451,10 @@ class MedusaObjective(nn.Module):
                           torch.tensor(counts, device=hidden.device))
         if self.adapted is not None:
             loss, stats.lm = self._adapted_lm_loss(loss, hidden, input_ids, loss_mask,
-                                                   teacher_hidden)
+                                                   teacher_hidden, reduction)
         return loss, stats
 
-    def _adapted_lm_loss(self, loss, hidden, input_ids, loss_mask, teacher_hidden):
+    def _adapted_lm_loss(self, loss, hidden, input_ids, loss_mask, teacher_hidden, reduction):
         """Medusa-2: add kl_weight * KL(original || adapted) + lm_loss_weight * CE(adapted)."""
         b, t = next_token_mask(loss_mask).bool().nonzero(as_tuple=True)  # positions t -> t+1
         out = projected_cross_entropy(
@@ -465,7 +462,7 @@ class MedusaObjective(nn.Module):
             input_ids[b, t + 1], teacher_states=teacher_hidden[b, t],
             teacher_head=self.target.lm_head, hard_weight=self.lm_loss_weight,
             soft_weight=self.kl_weight, chunk_size=self.chunk_size, topk=1)
-        n = max(out.count, 1)
+        n = 1 if reduction == "sum" else max(out.count, 1)
         # the teacher's entropy is a constant: subtracting it turns the soft cross-entropy into
         # the KL without changing the gradient
         lm_loss = (out.loss - self.kl_weight * out.teacher_entropy) / n
@@ -525,38 +522,38 @@ def training_sources(cfg: MedusaTrainConfig, target: Target, accelerator: Accele
     return [str(out)]
 
 
-def split_heldout(dataset, fraction: float, max_rows: int, seed: int):
-    """(training rows, held-out rows or None): a seeded random ``fraction``, at most ``max_rows``."""
-    n = len(dataset)
-    if fraction <= 0 or n < 2:
-        return dataset, None
-    count = min(max_rows, max(1, round(fraction * n)), n - 1)
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    return dataset.select(sorted(order[count:])), dataset.select(sorted(order[:count]))
-
-
 # ------------------------------------------------------------------------------------------------
 # Held-out accuracies (what the tree is built from)
 
 
-class HeldOutAccuracy:
+class HeldOutAccuracy(PeriodicEval):
     """Per-rank hits of every head on the held-out rows, summed over processes.
 
-    Each process scores its share of the rows; ``run`` reduces the counts, logs
-    ``heldout/head<k>_top1`` / ``_top5``, ``heldout/head<k>_loss`` and ``heldout/expected_tau``
-    (of an ``eval_tree_nodes`` tree built from them) and returns (hits (K, topk), totals (K,)).
+    Runs every ``heldout_every`` steps, whenever the acceptance evaluation is due (its tree is
+    built from these accuracies) and at the end (for the artifact's tree). Each process scores its
+    share of the rows; the record holds ``heldout/head<k>_top1`` / ``_top5``,
+    ``heldout/head<k>_loss`` and ``heldout/expected_tau`` (of an ``eval_tree_nodes`` tree built
+    from them); ``hits`` (K, topk) and ``totals`` (K,) and ``tree`` keep the latest figures.
     Nothing random is drawn, so a measurement never changes training.
     """
 
+    name = "heldout"
+    at_end = False  # measured by the export, which needs the figures on every process
+
     def __init__(self, accelerator: Accelerator, cfg: MedusaTrainConfig, target: Target,
-                 rows, metrics: MetricsLogger, pad_token_id: int):
-        self.accelerator = accelerator
+                 rows, pad_token_id: int, acceptance: AcceptanceEval):
+        super().__init__(accelerator)
         self.cfg = cfg
         self.target = target
-        self.metrics = metrics
+        self.acceptance = acceptance
         self.num_rows = 0 if rows is None else len(rows)
+        self.every = (cfg.heldout_every or acceptance.every) if self.num_rows else 0
+        self.topk = min(cfg.tree_topk, target.vocab_size)
+        self.hits = torch.zeros(cfg.num_heads, self.topk, dtype=torch.long)
+        self.totals = torch.zeros(cfg.num_heads, dtype=torch.long)
+        self.tree = default_chain(cfg.num_heads)
         self.batches: list[dict] = []
-        if rows is None:
+        if not self.num_rows:
             return
         mine = list(range(accelerator.process_index, len(rows), accelerator.num_processes))
         size = cfg.per_device_batch_size
@@ -566,50 +563,46 @@ class HeldOutAccuracy:
                                  for k in ("input_ids", "attention_mask", "loss_mask")})
 
     def due(self, state: TrainState) -> bool:
+        if not self.every or state.done:
+            return False
         every = self.cfg.heldout_every
-        return bool(every) and bool(self.num_rows) and state.step % every == 0
+        return bool(every and state.step % every == 0) or self.acceptance.due(state)
 
-    def run(self, state: TrainState, model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """Measure (every process calls it); logs on the main process."""
-        accelerator, cfg = self.accelerator, self.cfg
-        module = accelerator.unwrap_model(model)
-        k, topk = cfg.num_heads, min(cfg.tree_topk, self.target.vocab_size)
+    def measure(self, module) -> torch.Tensor:
+        k = self.cfg.num_heads
         # float64 sums: hits (K * topk), totals (K), loss sums (K)
-        sums = torch.zeros(k * topk + 2 * k, dtype=torch.float64, device=accelerator.device)
-        was_training = module.training
-        with self.metrics.paused(), torch.no_grad(), accelerator.autocast():
-            module.eval()
-            try:
-                for batch in self.batches:
-                    teacher = target_hidden(self.target, batch["input_ids"],
-                                            batch["attention_mask"])
-                    _, stats = module(batch["input_ids"], batch["attention_mask"],
-                                      batch["loss_mask"], teacher, topk=topk)
-                    counts = stats.counts.double()
-                    sums += torch.cat([stats.hits.double().flatten(), counts,
-                                       stats.head_loss.double() * counts])
-            finally:
-                module.train(was_training)
-        if accelerator.num_processes > 1:
-            sums = accelerator.reduce(sums, reduction="sum")
-        hits = sums[: k * topk].reshape(k, topk).round().long().cpu()
-        totals = sums[k * topk: k * topk + k].round().long().cpu()
-        losses = (sums[k * topk + k:] / sums[k * topk: k * topk + k].clamp_min(1)).cpu()
-        if accelerator.is_main_process and int(totals.sum()):
-            acc = rank_accuracy(hits, totals)
-            tree = build_medusa_tree(acc.tolist(), cfg.eval_tree_nodes)
-            record = {"step": state.step,
-                      **accuracy_metrics(hits, totals, ks=(1, 5), prefix="heldout"),
-                      **{f"heldout/head{i}_loss": v for i, v in
-                         enumerate(losses.tolist(), start=1)},
-                      "heldout/expected_tau": expected_tau(tree, acc.tolist()),
-                      "heldout/positions": int(totals[0])}
-            self.metrics.log(record)
-            self.metrics.bar.write(
-                f"[draftsmith] step {state.step}: held-out top-1 per head "
-                f"{[round(record[f'heldout/head{i}_top1'], 3) for i in range(1, k + 1)]}, "
-                f"expected tau {record['heldout/expected_tau']:.3f} ({cfg.eval_tree_nodes} nodes)")
-        return hits, totals
+        sums = torch.zeros(k * self.topk + 2 * k, dtype=torch.float64,
+                           device=self.accelerator.device)
+        for batch in self.batches:
+            teacher = target_hidden(self.target, batch["input_ids"], batch["attention_mask"])
+            _, stats = module(batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
+                              teacher, topk=self.topk)
+            counts = stats.counts.double()
+            sums += torch.cat([stats.hits.double().flatten(), counts,
+                               stats.head_loss.double() * counts])
+        return sums
+
+    def summarise(self, state: TrainState, sums: list[float]) -> dict | None:
+        k, topk = self.cfg.num_heads, self.topk
+        sums = torch.tensor(sums, dtype=torch.float64)
+        self.hits = sums[: k * topk].reshape(k, topk).round().long()
+        self.totals = sums[k * topk: k * topk + k].round().long()
+        losses = (sums[k * topk + k:] / sums[k * topk: k * topk + k].clamp_min(1)).tolist()
+        self.tree = eval_tree(self.cfg, self.hits, self.totals)
+        if not int(self.totals.sum()):
+            return None
+        acc = rank_accuracy(self.hits, self.totals)
+        return {"step": state.step,
+                **accuracy_metrics(self.hits, self.totals, ks=(1, 5), prefix="heldout"),
+                **{f"heldout/head{i}_loss": v for i, v in enumerate(losses, start=1)},
+                "heldout/expected_tau": expected_tau(self.tree, acc.tolist()),
+                "heldout/positions": int(self.totals[0])}
+
+    def describe(self, record: dict) -> str:
+        top1 = [round(record[f"heldout/head{i}_top1"], 3)
+                for i in range(1, self.cfg.num_heads + 1)]
+        return (f"held-out top-1 per head {top1}, expected tau "
+                f"{record['heldout/expected_tau']:.3f} ({self.cfg.eval_tree_nodes} nodes)")
 
 
 def eval_tree(cfg: MedusaTrainConfig, hits: torch.Tensor, totals: torch.Tensor):
@@ -700,26 +693,24 @@ def write_artifact(out_dir: Path, heads: MedusaHeads, target: Target, tree, tree
 # The run
 
 
-def _log_step(metrics: MetricsLogger, loss: torch.Tensor, stats: StepStats) -> None:
-    metrics.add("loss", loss.detach())
+def _logged(stats: StepStats) -> dict:
+    """The step's metrics as (total, count) pairs for the loop's logger."""
+    logged = {}
     for k in range(stats.hits.shape[0]):
         n = stats.counts[k]
-        metrics.add(f"medusa/head{k + 1}_loss", stats.head_loss[k])
-        metrics.add(f"medusa/head{k + 1}_top1", stats.hits[k, :1].sum(), n)
-        metrics.add(f"medusa/head{k + 1}_top5", stats.hits[k, :5].sum(), n)
+        logged[f"medusa/head{k + 1}_loss"] = (stats.head_loss[k], 1)
+        logged[f"medusa/head{k + 1}_top1"] = (stats.hits[k, :1].sum(), n)
+        logged[f"medusa/head{k + 1}_top5"] = (stats.hits[k, :5].sum(), n)
     if stats.lm:
         n = stats.lm["count"]
-        metrics.add("lm_kl", stats.lm["kl"], n)
-        metrics.add("lm_ce", stats.lm["ce"], n)
-        metrics.add("lm_agreement", stats.lm["agree"], n)
+        logged.update({"lm_kl": (stats.lm["kl"], n), "lm_ce": (stats.lm["ce"], n),
+                       "lm_agreement": (stats.lm["agree"], n)})
+    return logged
 
 
-def main(cfg: MedusaTrainConfig) -> dict:
-    """Train, checkpoint, plan the tree and export; returns step, stop message, artifact path,
-    tree, tree_info, the frozen target, the verifier (the adapted target in Medusa-2) and heads."""
+def build(cfg: MedusaTrainConfig) -> Recipe:
+    """The run, ready to train: target, data, heads (+ the LoRA copy), evaluation and export."""
     accelerator = make_accelerator(cfg)  # first: seeds before any weights
-    refuse_sharded(accelerator, "train/medusa.py measures held-out accuracies, plans the tree and exports "
-                   "from one process, which needs the whole heads there")
     target = load_target(cfg.target, device=accelerator.device)  # frozen; never prepared
     pad_id = target.tokenizer.pad_token_id
     pad_id = target.eos_token_ids[0] if pad_id is None else pad_id
@@ -732,8 +723,10 @@ def main(cfg: MedusaTrainConfig) -> dict:
     held = 0 if heldout_rows is None else len(heldout_rows)
     accelerator.print(f"{report.summary()}\nheld out {held} rows for the heads' accuracies and "
                       f"the tree; {len(train_rows)} rows to train on")
-    loader = make_train_dataloader(train_rows, cfg, accelerator,
-                                   partial(collate_causal_lm, pad_token_id=pad_id))
+    lengths, scored = row_sizes(train_rows)
+    batches = make_batches(train_rows, cfg, accelerator,
+                           partial(collate_causal_lm, pad_token_id=pad_id),
+                           lengths=lengths, weights=scored)
 
     objective = build_objective(cfg, target)  # model: heads (+ the LoRA copy in Medusa-2)
     counts = medusa_param_counts(MedusaConfig(
@@ -746,71 +739,45 @@ def main(cfg: MedusaTrainConfig) -> dict:
         f"{'the shared LM head' if cfg.share_lm_head else 'an LM head copy each'} "
         f"({counts['lm_head_copies']:,} as copies); {trainable:,} parameters trained")
     verifier = objective.verifier()
-    optimizer = make_optimizer(objective, cfg)
-    model, optimizer, loader = accelerator.prepare(objective, optimizer, loader)
-    checkpointer = Checkpointer(accelerator, cfg, target.identity(), loader)
-    state = checkpointer.resume()
-    metrics = MetricsLogger(accelerator, cfg, state)
-    heldout = HeldOutAccuracy(accelerator, cfg, target, heldout_rows, metrics, pad_id)
-    current = {"tree": default_chain(cfg.num_heads)}  # the evaluation's tree, updated below
+
+    def step(model, batch: dict, micro_index: int) -> StepOutput:
+        teacher = target_hidden(target, batch["input_ids"], batch["attention_mask"])
+        loss, stats = model(batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
+                            teacher, reduction="sum")
+        return StepOutput(loss, _logged(stats))
+
     acceptance = AcceptanceEval(
         accelerator, cfg, verifier,
-        lambda module: MedusaProposer(verifier, module.heads, current["tree"]), metrics)
+        lambda module: MedusaProposer(verifier, module.heads, heldout.tree))
+    acceptance.at_end = False  # the end is measured below, with the artifact's tree
+    heldout = HeldOutAccuracy(accelerator, cfg, target, heldout_rows, pad_id, acceptance)
+    return Recipe(cfg, accelerator, target, batches, objective, step,
+                  export=partial(export, cfg, accelerator, target, heldout, acceptance, verifier),
+                  evaluators=[heldout, acceptance])
 
-    def measure_heldout() -> None:
-        current["tree"] = eval_tree(cfg, *heldout.run(state, model))
 
-    if state.step == 0:  # where the heads start, for comparison
-        if heldout.due(state) or acceptance.every:
-            measure_heldout()
-        acceptance.maybe_run(state, model, force=True)
-
-    saved = stopped = None
-    with GracefulStop(accelerator) as stop:  # loop
-        for batch in train_batches(loader, state):
-            teacher = target_hidden(target, batch["input_ids"], batch["attention_mask"])
-            with accelerator.accumulate(model):
-                lr = apply_learning_rate(optimizer, cfg, state)
-                loss, stats = model(batch["input_ids"], batch["attention_mask"],
-                                    batch["loss_mask"], teacher)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and cfg.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad()
-            _log_step(metrics, loss, stats)
-            metrics.count_tokens(batch["attention_mask"].sum())
-            del teacher, stats
-            if not accelerator.sync_gradients:
-                continue
-            state.step += 1
-            stopping = stop.should_stop()  # every process, every step
-            metrics.step(state, force=stopping or state.done, lr=lr,
-                         peak_memory_gb=round(peak_memory_gb(accelerator.device), 3))
-            if not state.done:  # the end is measured below, with the final tree
-                if heldout.due(state) or (heldout.num_rows and acceptance.due(state)):
-                    measure_heldout()
-                acceptance.maybe_run(state, model)
-            if checkpointer.due(state) or stopping or state.done:  # checkpoint
-                saved = checkpointer.save(state)
-            if stopping:
-                stopped = stop.message(state, saved)
-                accelerator.print(stopped)
-                break
-            if state.done:
-                break
+def export(cfg: MedusaTrainConfig, accelerator, target: Target, heldout: HeldOutAccuracy,
+           acceptance: AcceptanceEval, verifier: Target, result: TrainResult) -> dict:
+    """Held-out accuracies -> tree -> artifact -> measured tau, after a completed run; returns
+    step, stop message, artifact path, tree, tree_info, the frozen target, the verifier (the
+    adapted target in Medusa-2) and heads."""
+    state, metrics = result.state, result.metrics
 
     artifact = tree = tree_info = None
-    module = accelerator.unwrap_model(model)
-    if stopped is None:  # export: held-out accuracies -> tree -> artifact (-> measured tau)
-        hits, totals = heldout.run(state, model)
+    module = accelerator.unwrap_model(result.model)
+    if result.completed:  # export: held-out accuracies -> tree -> artifact -> measured tau
+        heldout.run(state, result.model, metrics)  # every process: the sums are reduced
+        module.eval()
+        adapted = None
+        if cfg.medusa2:  # every process merges its own replica: the final measurement needs it
+            adapted = merge_lora(module.adapted).eval()
+            verifier = wrap_target(adapted, target.tokenizer, name=f"{target.name}+medusa2")
+        plan = [None, None]
         if accelerator.is_main_process:
-            module.eval()
-            adapted = None
-            if cfg.medusa2:
-                adapted = merge_lora(module.adapted).eval()
-                verifier = wrap_target(adapted, target.tokenizer, name=f"{target.name}+medusa2")
-            tree, tree_info = final_tree(cfg, verifier, module.heads, hits, totals)
+            plan = list(final_tree(cfg, verifier, module.heads, heldout.hits, heldout.totals))
+        plan = broadcast_object_list(plan)  # the tree is planned once, used everywhere
+        tree, tree_info = plan
+        if accelerator.is_main_process:
             extra = {"trainer": "train/medusa.py", "medusa2": cfg.medusa2, "steps": state.step,
                      "loss_decay": cfg.loss_decay, "soft_labels": cfg.soft_labels,
                      "regenerated": cfg.regenerate}
@@ -821,17 +788,16 @@ def main(cfg: MedusaTrainConfig) -> dict:
                                        "target_modules": cfg.lora_target_modules}})
             artifact = write_artifact(Path(cfg.output_dir) / "artifact", module.heads, target,
                                       tree, tree_info, extra, adapted)
-            record = {"step": state.step, "final/expected_tau": tree_info.get("expected_tau"),
-                      "final/tree_nodes": len(tree),
-                      "final/predicted_speedup": tree_info.get("predicted_speedup")}
-            if acceptance.every:
-                with torch.no_grad(), accelerator.autocast():
-                    measured = measure_acceptance(
-                        verifier, MedusaProposer(verifier, module.heads, tree),
-                        acceptance.prompts, max_new_tokens=cfg.eval_max_new_tokens,
-                        params=acceptance.params, seed=cfg.seed)
-                record.update({"final/tau": measured["tau"], "final/alpha": measured["alpha"]})
-            metrics.log(record)
+        record = {"step": state.step, "final/expected_tau": tree_info.get("expected_tau"),
+                  "final/tree_nodes": len(tree),
+                  "final/predicted_speedup": tree_info.get("predicted_speedup")}
+        if acceptance.every:  # every process decodes its share of the prompts with the tree
+            final = AcceptanceEval(accelerator, cfg, verifier,
+                                   lambda _: MedusaProposer(verifier, module.heads, tree),
+                                   name="final")
+            record.update(final.run(state, result.model, metrics, log=False))  # final/tau, alpha
+        metrics.log(record)
+        if accelerator.is_main_process:
             bench_target = artifact / "target" if cfg.medusa2 else cfg.target
             accelerator.print(
                 f"[draftsmith] Medusa heads written to {artifact} with a {len(tree)}-node tree: "
@@ -849,9 +815,15 @@ def main(cfg: MedusaTrainConfig) -> dict:
     accelerator.wait_for_everyone()
     metrics.close()
     accelerator.end_training()
-    return {"step": state.step, "stopped": stopped, "artifact": artifact, "tree": tree,
+    return {"step": state.step, "stopped": result.stopped, "artifact": artifact, "tree": tree,
             "tree_info": tree_info, "target": target, "verifier": verifier,
             "heads": module.heads}
+
+
+def main(cfg: MedusaTrainConfig) -> dict:
+    """Train, checkpoint, plan the tree and export (see :func:`export` for what it returns)."""
+    recipe = build(cfg)
+    return recipe.export(recipe.train())
 
 
 def _fmt(value) -> str:

@@ -29,7 +29,6 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
 from eval.engine import measure_acceptance
@@ -135,6 +134,10 @@ class MetricsLogger:
         finally:
             self._paused += time.perf_counter() - started
 
+    def due(self, state: TrainState) -> bool:
+        """Whether this step is a logging step (every ``log_every``)."""
+        return state.step % self.every == 0
+
     def step(self, state: TrainState, force: bool = False, **scalars) -> dict | None:
         """After each optimizer step, on every process. On logging steps (every ``log_every``,
         or ``force``) reduces across processes, writes and returns the record; else None.
@@ -160,7 +163,8 @@ class MetricsLogger:
         record.update({k: float(v) if isinstance(v, torch.Tensor) else v
                        for k, v in scalars.items()})
         record["epoch"] = round(state.epoch, 6)
-        record["samples"] = state.samples_seen
+        record["samples"] = state.rows_seen
+        record["tokens"] = state.tokens_seen
         self._sums = {}
         self._tokens = torch.zeros((), dtype=self.dtype, device=self.device)
         self._window_start, self._paused = time.perf_counter(), 0.0
@@ -197,69 +201,148 @@ def resolve_prompts_file(name: str) -> Path:
                             f"directory and in {_REPO}); give an existing file or set eval_every 0")
 
 
-class AcceptanceEval:
-    """Acceptance of the draft being trained, measured by the speculative engine as it trains.
+class PeriodicEval:
+    """The skeleton of every periodic measurement a trainer makes while it trains.
 
-    Every ``eval_every`` optimizer steps and at the end, the main process builds a proposer from
-    the current (unwrapped, eval-mode) head with ``make_proposer(head)`` and runs
-    :func:`eval.engine.measure_acceptance` on ``eval_num_prompts`` prompts of ``eval_prompts``
-    (chat template applied by the target); tau, alpha and alpha per depth go to ``metrics``.
-    The other processes wait. The global random state is restored afterwards, so an evaluation
-    never changes the training that follows (resumed runs stay exact).
+    Every ``every`` optimizer steps (and at the end, and at step 0 when forced) each process
+    measures its share of the evaluation data with the unwrapped module in eval mode, without
+    gradients, under the accelerator's autocast and with the global random state forked (an
+    evaluation never changes the training that follows: resumed runs stay exact); the float64
+    sums of :meth:`measure` are added over processes and :meth:`summarise` turns them into a
+    record, which the main process logs. No process waits while another evaluates alone.
+
+    Subclasses set ``every`` and implement ``measure(module) -> (n,) float64 tensor`` and
+    ``summarise(state, sums: list[float]) -> dict | None`` (None: nothing to log).
     """
 
-    def __init__(self, accelerator: Accelerator, cfg, target, make_proposer: Callable[..., Proposer],
-                 metrics: MetricsLogger):
+    every: int = 0
+    at_end: bool = True
+
+    def __init__(self, accelerator: Accelerator):
         self.accelerator = accelerator
+
+    def due(self, state: TrainState) -> bool:
+        """Every ``every`` steps; at the last step only when ``at_end``, whatever the step."""
+        if not self.every:
+            return False
+        return self.at_end if state.done else state.step % self.every == 0
+
+    def measure(self, module) -> torch.Tensor:
+        raise NotImplementedError
+
+    def summarise(self, state: TrainState, sums: list[float]) -> dict | None:
+        raise NotImplementedError
+
+    def run(self, state: TrainState, model, metrics: MetricsLogger,
+            log: bool = True) -> dict | None:
+        """Measure now (every process calls it); returns the record on every process and logs
+        it (unless ``log`` is false: the caller logs it with more)."""
+        accelerator = self.accelerator
+        module = accelerator.unwrap_model(model)
+        was_training = module.training
+        rng_devices = [accelerator.device] if accelerator.device.type == "cuda" else []
+        started = time.perf_counter()
+        with (metrics.paused(), torch.random.fork_rng(devices=rng_devices), torch.no_grad(),
+              accelerator.autocast()):
+            module.eval()
+            try:
+                sums = self.measure(module).to(accelerator.device, torch.float64)
+            finally:
+                module.train(was_training)
+        if accelerator.num_processes > 1:
+            sums = accelerator.reduce(sums, reduction="sum")
+        record = self.summarise(state, sums.tolist())
+        if record is not None:
+            record.setdefault("step", state.step)
+            record[f"{self.name}/seconds"] = round(time.perf_counter() - started, 3)
+            if log:
+                metrics.log(record)
+            line = self.describe(record)
+            if line and accelerator.is_main_process:
+                metrics.bar.write(f"[draftsmith] step {state.step}: {line}")
+        return record
+
+    def maybe_run(self, state: TrainState, model, metrics: MetricsLogger,
+                  force: bool = False) -> dict | None:
+        """:meth:`run` when due (or ``force``); every process calls it at the same step."""
+        if not self.every or not (force or self.due(state)):
+            return None
+        return self.run(state, model, metrics)
+
+    name = "eval"
+
+    def describe(self, record: dict) -> str:
+        return ""
+
+
+# the deepest tree any proposer drafts; per-depth counts are summed over processes in a vector
+# of this length
+MAX_DEPTH = 64
+
+
+class AcceptanceEval(PeriodicEval):
+    """Acceptance of the draft being trained, measured by the speculative engine as it trains.
+
+    Every ``eval_every`` optimizer steps and at the end, every process builds a proposer from
+    the current (unwrapped, eval-mode) module with ``make_proposer(module)`` and decodes its share
+    of ``eval_num_prompts`` prompts of ``eval_prompts`` (chat template applied by the target) with
+    :func:`eval.engine.measure_acceptance`; the counts are summed over processes, and tau, alpha
+    and alpha per depth go to ``metrics`` as ``eval/...``.
+    """
+
+    name = "eval"
+
+    def __init__(self, accelerator: Accelerator, cfg, target,
+                 make_proposer: Callable[..., Proposer], name: str = "eval"):
+        super().__init__(accelerator)
+        self.name = name  # the records' prefix: <name>/tau, <name>/alpha, ...
         self.cfg = cfg
         self.target = target
         self.make_proposer = make_proposer
-        self.metrics = metrics
         self.every = cfg.eval_every
         self.prompts: list[list[int]] = []
         if not self.every:
             return
-        if accelerator.distributed_type == DistributedType.FSDP:
-            raise ValueError("eval_every > 0 under FSDP: the head is sharded across processes, "
-                             "so the main process cannot run it alone; set eval_every 0 and "
-                             "measure the exported artifact with python -m eval.bench")
         # every process reads the file, so that a bad one fails everywhere instead of hanging
         texts = read_prompts(resolve_prompts_file(cfg.eval_prompts), limit=cfg.eval_num_prompts)
         self.prompts = [target.chat_ids(text) for text in texts]
+        self.mine = self.prompts[accelerator.process_index::accelerator.num_processes]
         self.params = SamplingParams(temperature=cfg.eval_temperature)
 
-    def due(self, state: TrainState) -> bool:
-        return bool(self.every) and (state.step % self.every == 0 or state.done)
+    def measure(self, module) -> torch.Tensor:
+        sums = torch.zeros(2 + 2 * MAX_DEPTH, dtype=torch.float64)
+        if not self.mine:
+            return sums
+        # seeds follow the prompt's index in the whole list: the same figures on any number of
+        # processes
+        first = self.accelerator.process_index
+        step = self.accelerator.num_processes
+        for k, ids in enumerate(self.mine):
+            result = measure_acceptance(
+                self.target, self.make_proposer(module), [ids],
+                max_new_tokens=self.cfg.eval_max_new_tokens, params=self.params,
+                seed=self.cfg.seed + first + k * step)
+            sums[0] += result["decode_tokens"]
+            sums[1] += result["target_passes"]
+            for depth, (a, t) in enumerate(zip(result["accepted_per_depth"],
+                                               result["tried_per_depth"], strict=True)):
+                if depth < MAX_DEPTH:
+                    sums[2 + depth] += a
+                    sums[2 + MAX_DEPTH + depth] += t
+        return sums
 
-    def maybe_run(self, state: TrainState, head, force: bool = False) -> dict | None:
-        """Evaluate when due (or ``force``); every process calls it. Returns the record (main)."""
-        if not self.every or not (force or self.due(state)):
-            return None
-        accelerator = self.accelerator
-        accelerator.wait_for_everyone()
-        record = None
-        if accelerator.is_main_process:
-            rng_devices = [accelerator.device] if accelerator.device.type == "cuda" else []
-            module = accelerator.unwrap_model(head)
-            was_training = module.training
-            started = time.perf_counter()
-            with (self.metrics.paused(), torch.random.fork_rng(devices=rng_devices),
-                  torch.no_grad(), accelerator.autocast()):
-                module.eval()
-                try:
-                    result = measure_acceptance(
-                        self.target, self.make_proposer(module), self.prompts,
-                        max_new_tokens=self.cfg.eval_max_new_tokens, params=self.params,
-                        seed=self.cfg.seed)
-                finally:
-                    module.train(was_training)
-            record = {"step": state.step, "eval/tau": result["tau"], "eval/alpha": result["alpha"]}
-            for depth, alpha in enumerate(result["alpha_per_depth"], start=1):
-                record[f"eval/alpha_depth_{depth}"] = alpha
-            record["eval/seconds"] = round(time.perf_counter() - started, 3)
-            self.metrics.log(record)
-            tau = "n/a" if result["tau"] is None else f"{result['tau']:.3f}"
-            self.metrics.bar.write(f"[draftsmith] step {state.step}: acceptance tau {tau} on "
-                                   f"{len(self.prompts)} prompts")
-        accelerator.wait_for_everyone()
+    def summarise(self, state: TrainState, sums: list[float]) -> dict:
+        decode, passes = sums[0], sums[1]
+        accepted, tried = sums[2:2 + MAX_DEPTH], sums[2 + MAX_DEPTH:]
+        name = self.name
+        record = {"step": state.step, f"{name}/tau": decode / passes if passes else None,
+                  f"{name}/alpha": sum(accepted) / sum(tried) if sum(tried) else None}
+        for depth, (a, t) in enumerate(zip(accepted, tried, strict=True), start=1):
+            if t:
+                record[f"{name}/alpha_depth_{depth}"] = a / t
         return record
+
+    def describe(self, record: dict) -> str:
+        tau = record[f"{self.name}/tau"]
+        tau = "n/a" if tau is None else f"{tau:.3f}"
+        return f"acceptance tau {tau} on {len(self.prompts)} prompts"

@@ -1,0 +1,207 @@
+"""The one training loop every trainer runs.
+
+A trainer (train/eagle.py, train/medusa.py, train/distill.py) builds its config, target, data,
+trainable module and step function into a :class:`Recipe` (``build(cfg)``), which runs them with
+:func:`run_training`::
+
+    accelerator = make_accelerator(cfg)                     # first: seeds before any weights
+    target = load_target(cfg.target, device=accelerator.device)   # frozen; never prepared
+    batches = make_batches(dataset, cfg, accelerator, collate, lengths=..., weights=...)
+    model = EagleLoss(head, ...)                            # the trainable module
+
+    def step(model, batch, micro_index) -> StepOutput:       # one micro-batch
+        loss, parts = model(batch, reduction="sum")          # summed over scored tokens
+        return StepOutput(loss, {"acc_0": (parts["acc_0"] * n, n)})
+
+    result = run_training(cfg, accelerator, model=model, batches=batches, step=step,
+                          target_identity=target.identity(), evaluators=[AcceptanceEval(...)])
+    if result.completed: ...export accelerator.unwrap_model(result.model)...
+    result.metrics.close()
+
+The loop owns everything that is the same for every method: the optimizer (AdamW) and the
+learning rate of each step, ``accelerator.prepare`` of the trainable module alone, resuming from
+and saving checkpoints, gradient accumulation and clipping, the per-token normalisation of the loss
+over the whole optimizer step (:func:`train.batches.loss_scale`), logging, periodic evaluation,
+stopping on SIGINT/SIGTERM, and stopping on a non-finite loss (nothing is saved or exported then,
+and the error names the step and the rows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+
+from train.accelerator import refuse_sharded
+from train.batches import TrainBatches, loss_scale, padded_tokens
+from train.checkpoints import Checkpointer, TrainState
+from train.optimizer import apply_learning_rate, make_optimizer
+from train.signals import GracefulStop
+from train.tracking import MetricsLogger, PeriodicEval, peak_memory_gb
+
+
+@dataclass
+class StepOutput:
+    """What a trainer's step function returns for one micro-batch."""
+
+    loss: torch.Tensor  # () differentiable, SUMMED over the micro-batch's scored positions
+    # name -> (total, count): logged as sum(total) / sum(count) over the logging window and the
+    # processes (a mean per micro-batch is (value, 1); a token accuracy (correct, tokens))
+    metrics: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+
+
+@dataclass
+class TrainResult:
+    state: TrainState
+    model: nn.Module  # the prepared module (unwrap it to export)
+    stopped: str | None  # the stop message when a signal ended the run early, else None
+    checkpoint: Path | None  # the last checkpoint written
+    metrics: MetricsLogger  # still open: the trainer logs its final records, then closes it
+
+    @property
+    def completed(self) -> bool:
+        return self.stopped is None
+
+
+@dataclass
+class Recipe:
+    """What a trainer builds (``build(cfg)`` in train/<method>.py) and the loop runs.
+
+    ``main(cfg)`` of every trainer is ``recipe = build(cfg); return recipe.export(recipe.train())``;
+    ``python -m train.speed`` builds the same recipe and times it.
+    """
+
+    cfg: Any
+    accelerator: Accelerator
+    target: Any  # heads.target.Target: the frozen target (never prepared)
+    batches: TrainBatches
+    model: nn.Module  # the trainable module alone
+    step: Callable[[nn.Module, dict, int], StepOutput]
+    export: Callable[[TrainResult], dict]  # what main(cfg) returns, after writing the artifact
+    evaluators: Sequence[PeriodicEval] = ()
+    first_record: dict | None = None
+    on_resume: Callable[[TrainState, nn.Module], None] | None = None
+
+    def train(self, stop: GracefulStop | None = None) -> TrainResult:
+        return run_training(self.cfg, self.accelerator, model=self.model, batches=self.batches,
+                            step=self.step, target_identity=self.target.identity(),
+                            evaluators=self.evaluators, first_record=self.first_record,
+                            on_resume=self.on_resume, stop=stop)
+
+
+class NonFiniteLoss(ValueError):
+    """The loss became NaN or infinite: training stopped, nothing was saved or exported."""
+
+
+def run_training(cfg, accelerator: Accelerator, *, model: nn.Module, batches: TrainBatches,
+                 step: Callable[[nn.Module, dict, int], StepOutput], target_identity: dict,
+                 evaluators: Sequence[PeriodicEval] = (), first_record: dict | None = None,
+                 on_resume: Callable[[TrainState, nn.Module], None] | None = None,
+                 stop: GracefulStop | None = None) -> TrainResult:
+    """Train ``model`` (the trainable module alone) with ``step`` until the config says stop.
+
+    ``step(model, batch, micro_index)`` runs one micro-batch (a dict of tensors on the device,
+    under the accelerator's autocast) and returns a :class:`StepOutput`; ``micro_index`` counts
+    this process's micro-batches over the whole run (resumed runs continue the count), for
+    schedules that must not depend on where a run was resumed. ``evaluators`` run every
+    ``every`` steps (and at step 0 of a fresh run, after ``first_record`` is logged);
+    ``on_resume(state, unwrapped_model)`` checks a resumed module before training continues.
+    ``stop`` replaces the SIGINT/SIGTERM handler (a subclass that requests a stop after some
+    step, say).
+    """
+    refuse_sharded(accelerator, "draftsmith trains the draft whole on every process (each holds "
+                   "its frozen target anyway) and evaluates and exports it from every process")
+    optimizer = make_optimizer(model, cfg)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    checkpointer = Checkpointer(accelerator, cfg, target_identity, batches.plan)
+    state = checkpointer.resume()
+    if on_resume is not None and state.resumed_from is not None:
+        on_resume(state, accelerator.unwrap_model(model))
+    metrics = MetricsLogger(accelerator, cfg, state)
+    if state.step == 0:  # where the run starts, for comparison
+        if first_record:
+            metrics.log({"step": 0, **first_record})
+        for evaluator in evaluators:
+            evaluator.maybe_run(state, model, metrics, force=True)
+
+    plan, accumulation = batches.plan, accelerator.gradient_accumulation_steps
+    processes = accelerator.num_processes
+    first_bad = torch.full((), -1, dtype=torch.long, device=accelerator.device)
+    saved = stopped = None
+    with stop or GracefulStop(accelerator) as stop:
+        steps = batches.steps(state.step, accelerator.device) if not state.done else iter(())
+        for index, planned, micro_batches in steps:
+            lr = apply_learning_rate(optimizer, cfg, state.step, state.total_steps)
+            scale = loss_scale(planned.weight, processes, accumulation)
+            mine = plan.rows_of(planned, accelerator.process_index)
+            for slot, batch in enumerate(micro_batches):
+                micro_index = index * accumulation + slot
+                with accelerator.accumulate(model):
+                    with accelerator.autocast():
+                        out = step(model, batch, micro_index)
+                    accelerator.backward(out.loss * scale)
+                    if accelerator.sync_gradients and cfg.max_grad_norm > 0:
+                        accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                loss = out.loss.detach()
+                first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss),
+                                        torch.tensor(micro_index, device=first_bad.device),
+                                        first_bad)
+                metrics.add("loss", loss, plan.micro_weight(mine[slot], micro_index))
+                for name, (total, count) in out.metrics.items():
+                    metrics.add(name, total, count)
+                metrics.count_tokens(batch["attention_mask"].sum())
+            real, padded = padded_tokens(plan.lengths, planned.micro_batches)
+            metrics.add("padding", padded - real, padded)
+            state.step += 1
+            state.rows_seen += planned.rows()
+            state.tokens_seen += real
+            stopping = stop.should_stop()  # every process, every step
+            saving = checkpointer.due(state) or stopping or state.done
+            if saving or metrics.due(state) or state.done:
+                _check_finite(accelerator, first_bad, plan, checkpointer)
+            metrics.step(state, force=stopping or state.done, lr=lr,
+                         peak_memory_gb=round(peak_memory_gb(accelerator.device), 3))
+            for evaluator in evaluators:
+                evaluator.maybe_run(state, model, metrics)
+            if saving:
+                saved = checkpointer.save(state)
+            if stopping:
+                stopped = stop.message(state, saved)
+                accelerator.print(stopped)
+                break
+            if state.done:
+                break
+    return TrainResult(state=state, model=model, stopped=stopped,
+                       checkpoint=saved or state.resumed_from, metrics=metrics)
+
+
+def _check_finite(accelerator: Accelerator, first_bad: torch.Tensor, plan,
+                  checkpointer: Checkpointer) -> None:
+    """Raise :class:`NonFiniteLoss` if any process saw a non-finite loss (one sync, on logging
+    and saving steps only)."""
+    flags = first_bad.reshape(1).clone()
+    if accelerator.num_processes > 1:
+        flags = accelerator.gather(flags)
+    bad = [(rank, int(v)) for rank, v in enumerate(flags.tolist()) if v >= 0]
+    if not bad:
+        return
+    rank, micro_index = bad[0]
+    accumulation = plan.accumulation
+    step_index, slot = divmod(micro_index, accumulation)
+    _, planned = next(plan.steps(step_index))
+    rows = plan.rows_of(planned, rank)[slot]
+    last = checkpointer.last_saved_step
+    raise NonFiniteLoss(
+        f"the loss became non-finite (NaN or inf) at optimizer step {step_index + 1}, "
+        f"micro-batch {slot} of process {rank} (training rows {list(rows)[:16]}"
+        f"{' ...' if len(rows) > 16 else ''}); training stopped and nothing more was saved or "
+        f"exported. Lower learning_rate or set max_grad_norm, check those rows, then continue "
+        f"from the last checkpoint"
+        + (f" (step {last}) with --resume latest" if last else " (none was saved)"))
