@@ -1,0 +1,181 @@
+"""How fast a trainer learns, measured: real tokens per second beside the target's own forward.
+
+    python -m train.speed --config configs/eagle/smollm2-135m.yaml --steps 20 [--warmup 3]
+                          [--trainer eagle] [--key value ...]
+
+Builds the trainer's recipe exactly as ``train/<method>.py`` does (the method is the config's
+folder, ``configs/<method>/...``, or ``--trainer``), times the frozen target's no-grad forward
+(its decoder, under the run's autocast) over the micro-batches of the first steps, then trains
+``warmup + steps`` optimizer steps and prints one JSON object:
+
+* ``train_tokens_per_s``: real (non-padding) tokens per second of the timed steps, evaluation and
+  checkpointing excluded;
+* ``target_forward_tokens_per_s``: the target's forward over the same batches, in this process;
+* ``ratio``: the first over the second, so that machines of different speed compare;
+* ``padding``: the fraction of computed positions that were padding;
+* ``peak_memory_gb`` (the process) and ``step_memory_gb`` (what the training steps added on top
+  of the loaded target, data and module: on CUDA the allocator's peak, on Linux CPUs the resident
+  set's high-water mark, reset before the first step).
+
+Every key after the options is a config key (``--max_length 2048``, ``--max_tokens_per_batch
+8192``...); evaluation, checkpoints and W&B are off and the run goes to a temporary directory
+unless ``--output_dir`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from train.config import parse_config
+
+TRAINERS = ("eagle", "medusa", "distill")
+_CONFIG_CLASSES = {"eagle": "EagleTrainConfig", "medusa": "MedusaTrainConfig",
+                   "distill": "DistillConfig"}
+
+
+def trainer_of(config_path: str, explicit: str | None) -> str:
+    """The trainer a config belongs to: ``--trainer``, else its folder under configs/."""
+    if explicit:
+        return explicit
+    folder = Path(config_path).resolve().parent.name
+    if folder in TRAINERS:
+        return folder
+    raise ValueError(f"cannot tell which trainer {config_path} is for (its folder is {folder!r}, "
+                     f"not one of {', '.join(TRAINERS)}): pass --trainer")
+
+
+def _resident_high_water_gb() -> float | None:
+    """VmHWM of this process (Linux), in GiB; None where /proc is not available."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        return None
+    return None
+
+
+def _reset_high_water(device: torch.device) -> float | None:
+    """Reset the peak-memory counter; returns the memory in use now (GiB), or None."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device) / 2**30
+    try:  # "5" resets the resident set's high-water mark (Linux >= 4.0)
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return None
+    return _resident_high_water_gb()
+
+
+def _high_water(device: torch.device) -> float | None:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return _resident_high_water_gb()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def target_forward_tokens_per_s(recipe, steps: int) -> tuple[float, int]:
+    """(real tokens per second, tokens) of the target's decoder over the first ``steps`` steps'
+    micro-batches of this process, under the run's autocast (one warm-up micro-batch first)."""
+    accelerator, target = recipe.accelerator, recipe.target
+    micro = [batch for _, (_, _, batches) in zip(range(steps),
+                                                 recipe.batches.steps(0, accelerator.device))
+             for batch in batches]
+    tokens, seconds = 0, 0.0
+    with accelerator.autocast():
+        for i, batch in enumerate([micro[0], *micro]):
+            _sync(accelerator.device)
+            started = time.perf_counter()
+            target.decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                           use_cache=False)
+            _sync(accelerator.device)
+            if i:  # the first is a warm-up
+                seconds += time.perf_counter() - started
+                tokens += int(batch["attention_mask"].sum())
+    return tokens / seconds, tokens
+
+
+def measure(trainer: str, argv: list[str], steps: int, warmup: int) -> dict:
+    module = importlib.import_module(f"train.{trainer}")
+    config_class = getattr(module, _CONFIG_CLASSES[trainer])
+    with tempfile.TemporaryDirectory(prefix="draftsmith-speed-") as scratch:
+        defaults = ["--output_dir", str(Path(scratch) / "run"), "--eval_every", "0",
+                    "--save_every", "0", "--report_to", "none", "--log_every", "1",
+                    "--resume", "none"]
+        cfg = parse_config(config_class, [*defaults, *argv, "--max_steps", str(warmup + steps),
+                                          "--num_epochs", "none"])
+        if trainer == "medusa":
+            cfg.heldout_every = 0
+        recipe = module.build(cfg)
+        device = recipe.accelerator.device
+        forward, forward_tokens = target_forward_tokens_per_s(recipe, warmup + steps)
+        before = _reset_high_water(device)
+        result = recipe.train()
+        result.metrics.close()
+        peak = _high_water(device)
+        records = [json.loads(line) for line in
+                   (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in records if "tokens_per_s" in r]  # one per step (log_every 1)
+    timed, tokens = [], []
+    for i, r in enumerate(logged):
+        if r["step"] > warmup:
+            timed.append(r)
+            tokens.append(r["tokens"] - (logged[i - 1]["tokens"] if i else 0))
+    if not timed:
+        raise ValueError(f"no timed steps: ran {result.state.step} steps, warm-up {warmup}")
+    seconds = sum(n / r["tokens_per_s"] for n, r in zip(tokens, timed, strict=True))
+    train = sum(tokens) / seconds
+    processes = recipe.accelerator.num_processes
+    return {
+        "trainer": trainer, "argv": argv, "steps": len(timed), "warmup_steps": warmup,
+        "processes": processes, "mixed_precision": recipe.accelerator.mixed_precision,
+        "train_tokens_per_s": round(train, 2),
+        # the loop logs tokens over every process; the forward was timed on this one
+        "target_forward_tokens_per_s": round(forward * processes, 2),
+        "ratio": round(train / (forward * processes), 4),
+        "tokens_per_step": round(sum(tokens) / len(timed), 1),
+        "padding": round(sum(r["padding"] for r in timed) / len(timed), 4),
+        "peak_memory_gb": round(peak, 3) if peak is not None else None,
+        "step_memory_gb": round(peak - before, 3) if None not in (peak, before) else None,
+        "loss_last": timed[-1]["loss"],
+        "target_forward_tokens": forward_tokens,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m train.speed", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="a trainer config, configs/<method>/...")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps timed")
+    parser.add_argument("--warmup", type=int, default=2, help="optimizer steps run first, untimed")
+    parser.add_argument("--trainer", choices=TRAINERS, default=None,
+                        help="the trainer (default: the config's folder)")
+    args, rest = parser.parse_known_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    trainer = trainer_of(args.config, args.trainer)
+    result = measure(trainer, ["--config", args.config, *rest], args.steps, args.warmup)
+    result["config"] = args.config
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
