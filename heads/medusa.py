@@ -48,6 +48,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from heads.artifact import load_artifact, read_artifact_config, save_artifact
+from heads.output_dir import check_destination
 from heads.target import Target
 
 METHOD = "medusa"
@@ -574,8 +575,6 @@ def export_medusa(artifact_dir: str | os.PathLike, fmt: str, out_dir: str | os.P
 
     check_format(METHOD, fmt)
     config = read_artifact_config(artifact_dir, METHOD)
-    from heads.output_dir import check_destination
-
     check_destination(out_dir, kind="export", overwrite=overwrite, protect=[artifact_dir])
     hub_id = resolve_hub_id(config, base_model, "--base-model")
     cfg = MedusaConfig.from_dict(config)

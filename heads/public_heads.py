@@ -337,7 +337,9 @@ def load_eagle_head(directory: str | os.PathLike, target: Target,
                              f"target {target.name!r} needs {tuple(expected[key].shape)}")
     missing = sorted(set(expected) - set(state))
     if missing:
-        raise ValueError(f"{directory}: weights {missing[:6]} are missing; the head is incomplete")
+        layer = type(target.layers[0]).__name__
+        raise ValueError(f"{directory}: weights {missing[:6]} are missing: the head as published "
+                         f"has none, and a head built like the target's {layer} needs them")
     head.load_state_dict({k: v.to(expected[k].device) for k, v in state.items()}, strict=True)
     return head
 
