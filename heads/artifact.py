@@ -3,19 +3,21 @@
     <dir>/config.json        {"method": ..., "target": {identity}, "format_version": 1, ...shapes}
     <dir>/model.safetensors  the trained draft's weights (nothing of the target)
 
-Written to a temporary directory and renamed, so a crash never leaves half an artifact.
+Written through :func:`heads.output_dir.write_dir` (a temporary directory renamed into place,
+marked as an ``artifact``), so a crash never leaves half an artifact and a directory that is not an
+earlier artifact is never replaced unless the caller asks.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from heads.output_dir import write_dir
 
 FORMAT_VERSION = 1
 METHODS = ("eagle1", "eagle3", "medusa", "draft")
@@ -23,28 +25,26 @@ METHODS = ("eagle1", "eagle3", "medusa", "draft")
 
 def save_artifact(directory: str | os.PathLike, method: str, config: dict,
                   state_dict: dict[str, torch.Tensor], target_identity: dict,
-                  extra_files: dict[str, str] | None = None) -> Path:
-    """Write config.json + model.safetensors (+ small text files) atomically into ``directory``."""
+                  extra_files: dict[str, str] | None = None, overwrite: bool = False) -> Path:
+    """Write config.json + model.safetensors (+ small text files) atomically into ``directory``.
+
+    An existing ``directory`` is replaced when it is an earlier artifact (or empty); anything else
+    only with ``overwrite=True``.
+    """
     if method not in METHODS:
         raise ValueError(f"unknown artifact method {method!r}; expected one of {METHODS}")
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=directory.name + ".tmp-", dir=directory.parent))
-    try:
-        tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    meta = {"method": method, "format_version": FORMAT_VERSION, "target": target_identity,
+            **config}
+
+    def fill(tmp: Path) -> None:
         save_file(tensors, str(tmp / "model.safetensors"))
-        meta = {"method": method, "format_version": FORMAT_VERSION, "target": target_identity,
-                **config}
         (tmp / "config.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return directory
+
+    return write_dir(directory, fill, kind="artifact", overwrite=overwrite,
+                     marker={"method": method})
 
 
 def read_artifact_config(directory: str | os.PathLike, method: str | tuple[str, ...] | None = None) -> dict:

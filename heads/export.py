@@ -1,30 +1,36 @@
 """Export trained drafts into the layouts serving engines load.
 
-    python -m heads.export <artifact> --format vllm|sglang|speculators --out DIR   # eagle1/eagle3
-    python -m heads.export <artifact> --format vllm|trtllm --out DIR               # medusa
-    python -m heads.export <artifact> --format hf --out DIR                        # draft
+    python -m heads.export <artifact> --format vllm|sglang|speculators --out DIR   # EAGLE-3
+    python -m heads.export <artifact> --format vllm|sglang --out DIR               # EAGLE-1
+    python -m heads.export <artifact> --format trtllm|fasterdecoding|vllm-0.32 --out DIR  # Medusa
+    python -m heads.export <artifact> --format hf --out DIR                        # distilled draft
+    ... [--check] [--overwrite] [--verifier ORG/NAME] [--base-model ORG/NAME] [--target T]
 
-The artifact's ``config.json`` says which method it holds; each method has its own formats.
-
-EAGLE layouts (``model.safetensors`` + ``config.json``, a one-layer Llama config):
+The artifact's ``config.json`` says which method it holds; each method has its own formats. Every
+layout is written as its consumer's own loader reads it, at a named version (see the README and
+``tests/fixtures/consumers/``):
 
 * EAGLE-1, vLLM ``EagleLlamaForCausalLM`` / SGLang ``LlamaForCausalLMEagle``: ``fc.weight`` over
   cat(embedding, feature), ``layers.0.*`` without ``input_layernorm``; the engines use the
   target's embedding and LM head. SGLang's ``fc`` has a bias, written as zeros.
 * EAGLE-3, vLLM and SGLang ``LlamaForCausalLMEagle3``: ``fc.weight`` [h, 3h], ``midlayer.*``
   (q/k/v over 2h, ``midlayer.hidden_norm.weight``), ``norm.weight``, ``lm_head.weight``
-  [draft_vocab, h], ``d2t`` (int64: target_id = draft_id + d2t[draft_id]), ``t2d`` (bool over the
-  target vocabulary). The aux layers are written twice because the engines count differently:
-  top-level ``eagle_aux_hidden_state_layer_ids`` for vLLM (index i = input of layer i, our
-  convention) and ``eagle_config.eagle_aux_hidden_state_layer_ids`` for SGLang (index i = output
-  of layer i, so ours minus one).
-* speculators (``speculators_model_type`` eagle / eagle3): the same weights under the speculators
-  names (EAGLE-1 ``fusion_fc``, ``transformer.*``; EAGLE-3 ``layers.0.*``) with a
-  ``transformer_layer_config`` and a ``speculators_config`` block naming the verifier.
+  [draft_vocab, h]; with a reduced draft vocabulary also ``d2t`` (int64: target_id = draft_id +
+  d2t[draft_id]) and ``t2d`` (bool over the target vocabulary). A full-vocabulary head has no
+  ``d2t``: vLLM 0.33 creates no ``draft_id_to_target_id`` parameter when the two vocabularies are
+  equal and refuses a checkpoint that carries one. The aux layers are written twice because the
+  engines count differently: top-level ``eagle_aux_hidden_state_layer_ids`` for vLLM (index i =
+  input of layer i, our convention) and ``eagle_config.eagle_aux_hidden_state_layer_ids`` for
+  SGLang (index i = output of layer i, so ours minus one).
+* speculators (EAGLE-3 only, ``speculators_model_type: eagle3``): the same weights with
+  ``layers.0.*`` for ``midlayer.*``, plus ``embed_tokens.weight`` (the target's embedding:
+  speculators does not fill it from the verifier), a ``transformer_layer_config`` and a
+  ``speculators_config`` naming the verifier by its hub id (vLLM refuses a local path there).
+* Medusa: see :func:`heads.medusa.export_medusa`.
 
 Only Llama-style layers (q/k/v/o, gate/up/down, RMS norms) can be served by these engines; a head
-built from another architecture is refused with the names of the weights that do not fit.
-:func:`load_exported_eagle` reads every EAGLE layout back into an :class:`EagleHead`.
+built from another architecture is refused with the names of the weights that do not fit. Output
+directories are written atomically by :func:`heads.output_dir.write_dir`.
 """
 
 from __future__ import annotations
@@ -35,22 +41,38 @@ import os
 import re
 import shutil
 import sys
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from heads.artifact import load_artifact, read_artifact_config
-from heads.eagle import EagleConfig, EagleHead, check_vocab_maps, default_aux_layer_ids
-from heads.target import Target
+from heads.eagle import EagleConfig, check_vocab_maps
+from heads.output_dir import check_destination, write_dir
+from heads.target import Target, is_hub_id, target_hub_id
 
 FORMATS = {
-    "eagle1": ("vllm", "sglang", "speculators"),
+    "eagle1": ("vllm", "sglang"),
     "eagle3": ("vllm", "sglang", "speculators"),
-    "medusa": ("vllm", "trtllm"),
+    "medusa": ("trtllm", "fasterdecoding", "vllm-0.32"),
     "draft": ("hf",),
+}
+# formats a consumer cannot load, with what to use instead
+REFUSED = {
+    ("eagle1", "speculators"): (
+        "speculators has no EAGLE-1 model (speculators 0.9.0 registers eagle3, peagle, dflash, "
+        "dflash2, dspark, mtp and xpress; an 'eagle' config fails its validation) and vLLM's "
+        "speculators path loads none either. Export EAGLE-1 with --format vllm (vLLM "
+        "EagleLlamaForCausalLM) or --format sglang, or train an EAGLE-3 head "
+        "(train/eagle.py --version 3) for speculators"
+    ),
+    ("medusa", "vllm"): (
+        "current vLLM (0.33) has no Medusa model; vLLM 0.32.0 was the last release with "
+        "MedusaModel. Export with --format vllm-0.32 to serve with vLLM <= 0.32.0, "
+        "--format trtllm for TensorRT-LLM, or --format fasterdecoding --write-pt for "
+        "FasterDecoding/Medusa"
+    ),
 }
 ARCHITECTURES = {
     (1, "vllm"): "EagleLlamaForCausalLM",
@@ -58,8 +80,8 @@ ARCHITECTURES = {
     (3, "vllm"): "LlamaForCausalLMEagle3",
     (3, "sglang"): "LlamaForCausalLMEagle3",
 }
-# speculators' config schema this writer follows (Eagle3SpeculatorConfig / EagleSpeculatorConfig)
-SPECULATORS_VERSION = "0.1.0"
+# the speculators release whose config schema and loader this writer follows
+SPECULATORS_VERSION = "0.9.0"
 DEFAULT_SPECULATIVE_TOKENS = 5
 _LLAMA_LAYER_WEIGHT = re.compile(
     r"(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.(weight|bias)"
@@ -87,61 +109,77 @@ def artifact_method(directory: str | os.PathLike) -> str:
     return method
 
 
-def export(
-    artifact_dir: str | os.PathLike,
-    fmt: str,
-    out_dir: str | os.PathLike,
-    verifier: str | None = None,
-) -> Path:
-    """Dispatch on the artifact's method; an unknown format names the valid ones."""
-    artifact_dir = Path(artifact_dir)
-    if not artifact_dir.exists():
-        raise FileNotFoundError(f"artifact {artifact_dir} does not exist")
-    method = artifact_method(artifact_dir)
+def check_format(method: str, fmt: str) -> None:
+    """Refuse a format this method has no consumer for, saying what to use instead."""
+    if (method, fmt) in REFUSED:
+        raise ValueError(f"cannot export a {method} artifact as {fmt!r}: {REFUSED[(method, fmt)]}")
     if fmt not in FORMATS[method]:
         raise ValueError(
             f"this {method} artifact exports to {' | '.join(FORMATS[method])}, not {fmt!r}"
         )
-    if method in ("eagle1", "eagle3"):
-        return export_eagle(artifact_dir, fmt, out_dir, verifier=verifier)
-    if method == "medusa":
-        from heads.medusa import export_medusa
 
-        return Path(export_medusa(artifact_dir, fmt, out_dir))
-    return export_draft_hf(artifact_dir, out_dir)
+
+def checked_hub_id(value: str, what: str) -> str:
+    """``value`` if it is a Hugging Face hub id, else a ValueError saying why it must be one."""
+    if not is_hub_id(value):
+        reason = (
+            "it is a path on this machine" if Path(str(value)).expanduser().exists()
+            else "it is not of the form ORG/NAME"
+        )
+        raise ValueError(
+            f"{what} {value!r} is not a Hugging Face hub id ({reason}); the exported config is "
+            "read on the serving machine, where a local path means nothing (vLLM refuses a local "
+            "verifier). Pass the target's hub id, e.g. meta-llama/Llama-3.1-8B-Instruct"
+        )
+    return value
+
+
+def recorded_hub_id(meta: dict) -> str | None:
+    """The target's hub id as the artifact records it (``target.hub_id``), or derived from it."""
+    target = meta.get("target") or {}
+    for candidate in (target.get("hub_id"), meta.get("base_model"), target.get("path"),
+                      target.get("name")):
+        hub_id = target_hub_id(candidate) if candidate else None
+        if hub_id:
+            return hub_id
+    return None
+
+
+def resolve_hub_id(meta: dict, override: str | None, what: str) -> str | None:
+    """``override`` (checked) if given, else the recorded hub id, else None."""
+    if override is not None:
+        return checked_hub_id(override, what)
+    return recorded_hub_id(meta)
+
+
+def find_target(meta: dict, target: Target | str | os.PathLike | None) -> Target | None:
+    """The target the artifact was trained for: ``target`` (loaded if a spec), else its record."""
+    from heads.target import load_target, resolve_target
+
+    if isinstance(target, Target):
+        found = target
+    else:
+        spec = target
+        if spec is None:
+            recorded = meta.get("target") or {}
+            for candidate in (recorded.get("path"), meta.get("base_model"), recorded.get("name")):
+                if not candidate:
+                    continue
+                try:
+                    resolve_target(candidate)
+                except (FileNotFoundError, ValueError):
+                    continue
+                spec = candidate
+                break
+        if spec is None:
+            return None
+        found = load_target(spec, device="cpu", dtype="float32")
+    found.check_identity(meta.get("target") or {}, what="artifact")
+    return found
 
 
 # ------------------------------------------------------------------------------------------------
-# Writing
-
-
-def _write_dir(out_dir: str | os.PathLike, fill: Callable[[Path], None]) -> Path:
-    """Fill a temporary directory and rename it to ``out_dir`` (never half an export).
-
-    An existing ``out_dir`` is replaced only when it is empty or a previous export (has a
-    config.json), so a mistyped path never wipes unrelated files.
-    """
-    out = Path(out_dir)
-    if out.exists():
-        if not out.is_dir() or (any(out.iterdir()) and not (out / "config.json").is_file()):
-            raise ValueError(
-                f"--out {out} exists and is not an earlier export; choose a new directory"
-            )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    try:
-        fill(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+# EAGLE
 
 
 def _llama_config(cfg: EagleConfig, dtype: torch.dtype) -> dict:
@@ -202,9 +240,9 @@ def _eagle_config_block(cfg: EagleConfig) -> dict:
     }
 
 
-def _speculators_block(cfg: EagleConfig, verifier: str, architectures: list[str]) -> dict:
+def _speculators_block(verifier: str, architectures: list[str]) -> dict:
     return {
-        "algorithm": cfg.method.replace("eagle1", "eagle"),
+        "algorithm": "eagle3",
         "proposal_methods": [
             {
                 "proposal_type": "greedy",
@@ -219,31 +257,38 @@ def _speculators_block(cfg: EagleConfig, verifier: str, architectures: list[str]
 
 
 def eagle_serving_files(
-    meta: dict, state: dict[str, torch.Tensor], fmt: str, verifier: str | None = None
+    meta: dict,
+    state: dict[str, torch.Tensor],
+    fmt: str,
+    *,
+    verifier: str | None = None,
+    embedding: torch.Tensor | None = None,
 ) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config.json, weights) of an EAGLE artifact in ``fmt``; see the module docstring."""
+    """(config.json, weights) of an EAGLE artifact in ``fmt``; see the module docstring.
+
+    speculators needs ``verifier`` (a hub id) and ``embedding`` (the target's input embedding,
+    (vocab, hidden)).
+    """
     cfg = EagleConfig.from_dict(meta)
-    if fmt not in FORMATS[cfg.method]:
-        raise ValueError(
-            f"this {cfg.method} artifact exports to {' | '.join(FORMATS[cfg.method])}, not {fmt!r}"
-        )
+    check_format(cfg.method, fmt)
     dtype = state["fc.weight"].dtype
     llama = _llama_config(cfg, dtype)
-    target = meta.get("target") or {}
     provenance = {
         "method": cfg.method,
-        "target": target,
+        "target": meta.get("target") or {},
         "format_version": meta.get("format_version"),
     }
-    verifier = verifier or target.get("name") or "unknown"
-    verifier_arch = list(cfg.layer_config.get("architectures") or ["LlamaForCausalLM"])
     prefix = "layers.0." if cfg.version == 1 else "midlayer."
     _check_llama_layer(state, prefix, fmt, cfg)
+    weights = dict(state)
     if cfg.version == 3:
         check_vocab_maps(state["d2t"], state["t2d"], cfg.vocab_size)
+        if cfg.draft_vocab_size == cfg.vocab_size:
+            # identity maps; vLLM has no draft_id_to_target_id to load them into
+            weights.pop("d2t")
+            weights.pop("t2d")
 
     if fmt in ("vllm", "sglang"):
-        weights = dict(state)
         config = {
             **llama,
             "architectures": [ARCHITECTURES[(cfg.version, fmt)]],
@@ -261,162 +306,127 @@ def eagle_serving_files(
             )
         return config, weights
 
-    # speculators
+    # speculators (EAGLE-3; check_format refused EAGLE-1)
+    if verifier is None:
+        raise ValueError(
+            "the speculators format names the verifier by its Hugging Face hub id, and this "
+            f"artifact's target {provenance['target'].get('name')!r} has none recorded: pass "
+            "--verifier ORG/NAME (the hub id of the target it was trained for)"
+        )
+    checked_hub_id(verifier, "verifier")
+    if embedding is None:
+        raise ValueError(
+            "the speculators format carries the target's embedding (embed_tokens.weight; "
+            "speculators does not fill it from the verifier): pass the target (--target)"
+        )
+    if tuple(embedding.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise ValueError(
+            f"embed_tokens.weight: the target's embedding has shape {tuple(embedding.shape)}, the "
+            f"head needs ({cfg.vocab_size}, {cfg.hidden_size}): pass the target it was trained for"
+        )
     layer_config = {**llama, "architectures": ["LlamaForCausalLM"]}
     layer_config.pop("torch_dtype")
-    if cfg.version == 1:
-        weights = {
-            ("fusion_fc.weight" if k == "fc.weight" else "transformer." + k[len(prefix) :]): v
-            for k, v in state.items()
-        }
-        config = {
-            "architectures": ["EagleSpeculator", "LlamaDecoderLayer"],
-            "speculators_model_type": "eagle",
-            "transformer_layer_architecture": "LlamaDecoderLayer",
-            "layernorms": False,
-            "fusion_bias": False,
-        }
-    else:
-        weights = {
-            ("layers.0." + k[len(prefix) :] if k.startswith(prefix) else k): v
-            for k, v in state.items()
-        }
-        config = {
-            "architectures": ["Eagle3Speculator"],
-            "speculators_model_type": "eagle3",
-            "draft_vocab_size": cfg.draft_vocab_size,
-            "target_hidden_size": cfg.target_hidden_size,
-            "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-            # speculators' loaders default this to True when absent; our layer normalises the
-            # feature for attention only, the residual starts from the un-normed feature
-            "norm_before_residual": False,
-        }
-    config.update(
-        speculators_version=SPECULATORS_VERSION,
-        transformer_layer_config=layer_config,
-        speculators_config=_speculators_block(cfg, verifier, verifier_arch),
-        torch_dtype=llama["torch_dtype"],
-        draftsmith=provenance,
-    )
+    weights = {
+        ("layers.0." + k[len(prefix) :] if k.startswith(prefix) else k): v
+        for k, v in weights.items()
+    }
+    weights["embed_tokens.weight"] = embedding.detach().to(device="cpu", dtype=dtype)
+    verifier_arch = list(cfg.layer_config.get("architectures") or ["LlamaForCausalLM"])
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        # vLLM's speculators bridge defaults this to True when absent; our layer normalises the
+        # feature for attention only, the residual starts from the un-normed feature
+        "norm_before_residual": False,
+        "transformer_layer_config": layer_config,
+        "speculators_config": _speculators_block(verifier, verifier_arch),
+        "torch_dtype": llama["torch_dtype"],
+        "draftsmith": provenance,
+    }
     return config, weights
+
+
+def _save_tensors(weights: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors refuses shared storage: a tensor written in two slots gets its own copy."""
+    tensors, seen = {}, set()
+    for key, value in weights.items():
+        value = value.detach().contiguous().cpu()
+        if value.numel() and value.data_ptr() in seen:
+            value = value.clone()
+        seen.add(value.data_ptr())
+        tensors[key] = value
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def write_export(
+    out_dir: str | os.PathLike,
+    files: dict[str, dict | dict[str, torch.Tensor]],
+    *,
+    source: str | os.PathLike,
+    fmt: str,
+    overwrite: bool = False,
+) -> Path:
+    """Write {name: JSON dict | tensors} as an export directory (atomic, marked, 0644/0755)."""
+
+    def fill(tmp: Path) -> None:
+        for name, content in files.items():
+            if name.endswith(".json"):
+                write_json(tmp / name, content)
+            else:
+                _save_tensors(content, tmp / name)
+
+    return write_dir(out_dir, fill, kind="export", overwrite=overwrite, protect=[source],
+                     marker={"format": fmt, "source": str(Path(source).resolve())})
 
 
 def export_eagle(
     artifact_dir: str | os.PathLike,
     fmt: str,
     out_dir: str | os.PathLike,
+    *,
     verifier: str | None = None,
+    target: Target | str | os.PathLike | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write an eagle1/eagle3 artifact in ``fmt`` (vllm | sglang | speculators) to ``out_dir``.
 
-    ``verifier`` (speculators only): the target's Hugging Face id or path recorded as the
-    verifier; default the name the artifact was trained for.
+    speculators: ``verifier`` (default: the target's recorded hub id) and the target itself for
+    its embedding (``target``: a Target or a spec; default: the recorded target when it can be
+    found on this machine).
     """
-    meta, state = load_artifact(artifact_dir, ("eagle1", "eagle3"))
-    config, weights = eagle_serving_files(meta, state, fmt, verifier)
-
-    def fill(tmp: Path) -> None:
-        save_file(
-            {k: v.contiguous() for k, v in weights.items()},
-            str(tmp / "model.safetensors"),
-            metadata={"format": "pt"},
-        )
-        _write_json(tmp / "config.json", config)
-
-    return _write_dir(out_dir, fill)
-
-
-# ------------------------------------------------------------------------------------------------
-# Reading an export back
-
-
-def _layout_of(config: dict) -> tuple[int, str]:
-    kind = config.get("speculators_model_type")
-    if kind in ("eagle", "eagle3"):
-        return (1 if kind == "eagle" else 3), "speculators"
-    arch = (config.get("architectures") or [None])[0]
-    for (version, fmt), name in ARCHITECTURES.items():
-        if arch == name or (version == 3 and arch == "Eagle3LlamaForCausalLM"):
-            return version, fmt
-    raise ValueError(
-        f"config.json has architectures {config.get('architectures')} and no "
-        "speculators_model_type: not an EAGLE export"
-    )
-
-
-def load_exported_eagle(
-    directory: str | os.PathLike, target: Target, dtype: torch.dtype | None = None
-) -> EagleHead:
-    """Rebuild an :class:`EagleHead` from a vLLM / SGLang / speculators export, as an engine would.
-
-    The layout is recognised from config.json; shapes must match ``target``.
-    """
-    directory = Path(directory)
-    if not (directory / "config.json").is_file() or not (directory / "model.safetensors").is_file():
-        raise FileNotFoundError(f"{directory} has no config.json + model.safetensors export")
-    config = json.loads((directory / "config.json").read_text())
-    version, fmt = _layout_of(config)
-    llama = config["transformer_layer_config"] if fmt == "speculators" else config
-    state = load_file(str(directory / "model.safetensors"), device=str(target.device))
-    if fmt == "speculators" and version == 1:
-        state = {
-            ("fc.weight" if k == "fusion_fc.weight" else "layers.0." + k[len("transformer.") :]): v
-            for k, v in state.items()
-            if k == "fusion_fc.weight" or k.startswith("transformer.")
-        }
-    elif fmt == "speculators":
-        state = {
-            ("midlayer." + k[len("layers.0.") :] if k.startswith("layers.0.") else k): v
-            for k, v in state.items()
-            if not k.startswith(("embed_tokens.", "verifier_"))
-        }
-    bias = state.pop("fc.bias", None)
-    if bias is not None and bool(bias.ne(0).any()):
-        raise ValueError(f"{directory}: fc has a non-zero bias, which draftsmith heads do not have")
-
-    L = target.num_layers
-    if version == 1:
-        aux: Sequence[int] = (L,)
-    elif config.get("eagle_aux_hidden_state_layer_ids"):
-        aux = config["eagle_aux_hidden_state_layer_ids"]
-    elif (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"):
-        aux = [i + 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
-    else:
-        aux = default_aux_layer_ids(L)
-    layer = {
-        k: v
-        for k, v in llama.items()
-        if k not in ("architectures", "draftsmith", "eagle_config", "torch_dtype")
-    }
-    cfg = EagleConfig(
-        version=version,
-        vocab_size=int(llama["vocab_size"]),
-        draft_vocab_size=int(config.get("draft_vocab_size") or llama["vocab_size"]),
-        hidden_size=int(llama["hidden_size"]),
-        target_hidden_size=int(config.get("target_hidden_size") or llama["hidden_size"]),
-        aux_layer_ids=tuple(aux),
-        num_attention_heads=int(llama["num_attention_heads"]),
-        num_key_value_heads=int(llama.get("num_key_value_heads") or llama["num_attention_heads"]),
-        head_dim=int(llama.get("head_dim") or llama["hidden_size"] // llama["num_attention_heads"]),
-        intermediate_size=int(llama["intermediate_size"]),
-        target_num_layers=L,
-        layer_config=layer,
-    )
-    maps = {"d2t": state.get("d2t"), "t2d": state.get("t2d")} if version == 3 else {}
-    head = EagleHead(cfg, target, dtype=dtype or state["fc.weight"].dtype, **maps)
-    head.load_state_dict(state, strict=True)
-    return head
+    meta = read_artifact_config(artifact_dir, ("eagle1", "eagle3"))
+    check_format(meta["method"], fmt)
+    check_destination(out_dir, kind="export", overwrite=overwrite, protect=[artifact_dir])
+    _, state = load_artifact(artifact_dir, ("eagle1", "eagle3"))
+    embedding = None
+    if fmt == "speculators":
+        verifier = resolve_hub_id(meta, verifier, "--verifier")
+        found = find_target(meta, target)
+        embedding = None if found is None else found.embed.weight
+    config, weights = eagle_serving_files(meta, state, fmt, verifier=verifier, embedding=embedding)
+    return write_export(out_dir, {"config.json": config, "model.safetensors": weights},
+                        source=artifact_dir, fmt=fmt, overwrite=overwrite)
 
 
 # ------------------------------------------------------------------------------------------------
 # Distilled drafts
 
 
-def export_draft_hf(artifact_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+def export_draft_hf(
+    artifact_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False
+) -> Path:
     """Copy a distilled draft into a clean Hugging Face directory (draftsmith's key removed)."""
     src = Path(artifact_dir)
     config = json.loads((src / "config.json").read_text())
-    weights = [p for p in src.iterdir() if p.suffix == ".safetensors" or p.name.endswith(".bin")]
+    weights = [p for p in src.iterdir() if p.suffix == ".safetensors"]
     if not weights:
         raise FileNotFoundError(f"{src} has no model weights (*.safetensors)")
     if not any((src / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
@@ -428,15 +438,47 @@ def export_draft_hf(artifact_dir: str | os.PathLike, out_dir: str | os.PathLike)
 
     def fill(tmp: Path) -> None:
         for path in src.iterdir():
-            if path.is_file() and path.name != "config.json":
+            if path.is_file() and path.name not in ("config.json", ".draftsmith"):
                 shutil.copy2(path, tmp / path.name)
-        _write_json(tmp / "config.json", config)
+        write_json(tmp / "config.json", config)
 
-    return _write_dir(out_dir, fill)
+    return write_dir(out_dir, fill, kind="export", overwrite=overwrite, protect=[src],
+                     marker={"format": "hf", "source": str(src.resolve())})
 
 
 # ------------------------------------------------------------------------------------------------
-# Command line
+# Dispatch and command line
+
+
+def export(
+    artifact_dir: str | os.PathLike,
+    fmt: str,
+    out_dir: str | os.PathLike,
+    *,
+    verifier: str | None = None,
+    base_model: str | None = None,
+    target: Target | str | os.PathLike | None = None,
+    write_pt: bool = False,
+    overwrite: bool = False,
+) -> Path:
+    """Dispatch on the artifact's method; an unknown or refused format says what to use."""
+    artifact_dir = Path(artifact_dir)
+    if not artifact_dir.exists():
+        raise FileNotFoundError(f"artifact {artifact_dir} does not exist")
+    method = artifact_method(artifact_dir)
+    check_format(method, fmt)
+    if method in ("eagle1", "eagle3"):
+        return export_eagle(artifact_dir, fmt, out_dir, verifier=verifier, target=target,
+                            overwrite=overwrite)
+    if method == "medusa":
+        from heads.medusa import export_medusa
+
+        found = target if isinstance(target, Target) or target is None else None
+        if found is None and target is not None:
+            found = find_target(read_artifact_config(artifact_dir), target)
+        return export_medusa(artifact_dir, fmt, out_dir, target=found, base_model=base_model,
+                             write_pt=write_pt, overwrite=overwrite)
+    return export_draft_hf(artifact_dir, out_dir, overwrite=overwrite)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -450,21 +492,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--format",
         required=True,
         dest="fmt",
-        choices=sorted({f for fs in FORMATS.values() for f in fs}),
+        choices=sorted({f for fs in FORMATS.values() for f in fs} | {m for _, m in REFUSED}),
     )
-    parser.add_argument("--out", required=True, help="directory to write")
-    parser.add_argument(
-        "--verifier",
-        default=None,
-        help="speculators: the target's HF id or path (default: its recorded name)",
-    )
+    parser.add_argument("--out", required=True, help="directory to write (new, or an earlier "
+                        "export; anything else needs --overwrite)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace --out even if it holds other files (never the artifact)")
+    parser.add_argument("--verifier", default=None,
+                        help="speculators: the target's hub id (default: the recorded one)")
+    parser.add_argument("--base-model", default=None,
+                        help="Medusa: the target's hub id written as base_model_name_or_path")
+    parser.add_argument("--target", default=None,
+                        help="the target (HF dir, .gguf, embedded name) when the artifact's "
+                        "record does not locate it (speculators needs its embedding)")
+    parser.add_argument("--write-pt", action="store_true",
+                        help="fasterdecoding: also write medusa_lm_head.pt (a torch.save pickle "
+                        "of plain tensors), the only file FasterDecoding's loader reads")
+    parser.add_argument("--check", action="store_true",
+                        help="after writing, read the export back and run the consumer checks "
+                        "available here; print what was verified and what was not")
     args = parser.parse_args(argv)
     try:
-        out = export(args.artifact, args.fmt, args.out, verifier=args.verifier)
+        out = export(args.artifact, args.fmt, args.out, verifier=args.verifier,
+                     base_model=args.base_model, target=args.target, write_pt=args.write_pt,
+                     overwrite=args.overwrite)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {out}")
+    if args.fmt in FORMATS["medusa"]:
+        from heads.medusa import medusa_export_notes
+
+        for line in medusa_export_notes(out, args.fmt):
+            print(line)
+    if args.check:
+        from heads.export_check import check_export
+
+        try:
+            ok = check_export(args.artifact, args.fmt, out, target=args.target)
+        except (ValueError, FileNotFoundError) as err:
+            print(f"error: --check could not run: {err}", file=sys.stderr)
+            return 2
+        return 0 if ok else 1
     return 0
 
 

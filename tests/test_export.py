@@ -1,13 +1,16 @@
-"""EAGLE export: serving layouts, the round trip back into a head, d2t/t2d, and the CLI.
+"""Export to serving layouts and import of published heads: round trips for every format, the
+d2t/t2d mapping, hub ids, refusals with what to use instead, and the output directory rules.
 
-(Medusa's export functions live in heads/medusa.py and are tested with Medusa; here only the
-dispatch to them is checked.)
+(Each layout is also checked against rules read from its consumer's source in
+tests/test_consumer_layouts.py, and the speculators layout with speculators itself in the slow
+tests/test_consumers.py.)
 """
 
 from __future__ import annotations
 
 import json
 import re
+import stat
 
 import pytest
 import torch
@@ -21,24 +24,33 @@ from heads.eagle import (
     save_eagle,
     target_features,
 )
-from heads.export import FORMATS, export, load_exported_eagle, main
+from heads.export import FORMATS, export, main, recorded_hub_id
+from heads.medusa import (
+    MedusaHeads,
+    load_medusa_export,
+    save_medusa,
+    trtllm_convert_command,
+)
+from heads.output_dir import MARKER
+from heads.public_heads import load_eagle_head, load_medusa_heads
 from heads.target import wrap_target
 
 VOCAB, DRAFT_VOCAB, AUX = 80, 24, (1, 2, 3)
 
 
-def make_target(vocab: int = VOCAB, hidden: int = 64):
+def make_target(vocab: int = VOCAB, hidden: int = 64, layers: int = 4):
     config = LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
-        num_hidden_layers=4,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=128,
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     return wrap_target(LlamaForCausalLM(config).to(torch.float64), name="tiny-export")
@@ -55,42 +67,61 @@ def maps():
     return build_draft_vocab(counts, DRAFT_VOCAB)
 
 
+def _roughen(head):
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return head
+
+
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory, target, maps):
-    """version -> (head, artifact dir); heads with non-trivial norms so a swapped name shows."""
+    """kind -> (head, artifact dir): eagle1, eagle3 (reduced vocabulary), eagle3-full."""
     out = {}
     root = tmp_path_factory.mktemp("artifacts")
-    for version in (1, 3):
-        torch.manual_seed(version)
-        if version == 1:
+    for kind in ("eagle1", "eagle3", "eagle3-full"):
+        torch.manual_seed(len(kind))
+        if kind == "eagle1":
             head = EagleHead(EagleConfig.from_target(target, 1), target)
-        else:
-            cfg = EagleConfig.from_target(
-                target, 3, aux_layer_ids=AUX, draft_vocab_size=DRAFT_VOCAB
-            )
+        elif kind == "eagle3":
+            cfg = EagleConfig.from_target(target, 3, aux_layer_ids=AUX, draft_vocab_size=DRAFT_VOCAB)
             head = EagleHead(cfg, target, d2t=maps[0], t2d=maps[1])
-        with torch.no_grad():
-            for name, p in head.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.uniform_(0.5, 1.5)
-        out[version] = (head, save_eagle(head, root / f"eagle{version}", target))
+        else:
+            head = EagleHead(EagleConfig.from_target(target, 3, aux_layer_ids=AUX), target)
+        out[kind] = (_roughen(head), save_eagle(head, root / kind, target))
     return out
 
 
 def draft_logits(head, target):
     ids = torch.tensor([[3, 14, 15, 9, 26, 5, 35, 8]])
     feats = head.fuse(target_features(target, ids, None, head.config)["features"])
-    hidden, logits = head(ids, feats, torch.arange(ids.shape[1])[None])
-    return hidden, logits
+    return head(ids, feats, torch.arange(ids.shape[1])[None])
 
 
-@pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
-@pytest.mark.parametrize("version", [1, 3])
-def test_round_trip_gives_identical_draft_logits(tmp_path, target, artifacts, version, fmt):
-    head, artifact = artifacts[version]
-    out = export(artifact, fmt, tmp_path / fmt)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
-    loaded = load_exported_eagle(out, target)
+def exported(artifact, fmt, out, target, **kwargs):
+    if fmt == "speculators":
+        kwargs.setdefault("verifier", "org/tiny")
+        kwargs.setdefault("target", target)
+    return export(artifact, fmt, out, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# EAGLE round trips and layouts
+
+
+@pytest.mark.parametrize("kind,fmt", [
+    ("eagle1", "vllm"), ("eagle1", "sglang"),
+    ("eagle3", "vllm"), ("eagle3", "sglang"), ("eagle3", "speculators"),
+    ("eagle3-full", "vllm"), ("eagle3-full", "sglang"), ("eagle3-full", "speculators"),
+])
+def test_round_trip_gives_identical_draft_logits(tmp_path, target, artifacts, kind, fmt):
+    head, artifact = artifacts[kind]
+    out = exported(artifact, fmt, tmp_path / fmt, target)
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "config.json", "model.safetensors"]
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o644
+    loaded = load_eagle_head(out, target)
     assert loaded.config.aux_layer_ids == head.config.aux_layer_ids
     for a, b in zip(draft_logits(loaded, target), draft_logits(head, target)):
         assert torch.equal(a, b)
@@ -98,8 +129,8 @@ def test_round_trip_gives_identical_draft_logits(tmp_path, target, artifacts, ve
 
 @pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
 def test_d2t_maps_every_draft_id_to_its_target_id(tmp_path, target, artifacts, maps, fmt):
-    head, artifact = artifacts[3]
-    out = export(artifact, fmt, tmp_path / fmt)
+    head, artifact = artifacts["eagle3"]
+    out = exported(artifact, fmt, tmp_path / fmt, target)
     weights = load_file(str(out / "model.safetensors"))
     d2t, t2d = weights["d2t"], weights["t2d"]
     assert d2t.dtype == torch.int64 and d2t.shape == (DRAFT_VOCAB,)
@@ -109,7 +140,8 @@ def test_d2t_maps_every_draft_id_to_its_target_id(tmp_path, target, artifacts, m
         assert draft_id + int(d2t[draft_id]) == kept[draft_id]
     assert torch.nonzero(t2d).flatten().tolist() == kept  # exactly the kept ids, nothing else
     # the lm_head row of draft id i is the target's row of its target id (how it was initialised)
-    assert torch.equal(weights["lm_head.weight"], target.lm_head.weight[kept])
+    fresh = EagleHead(head.config, target, d2t=maps[0], t2d=maps[1])
+    assert torch.equal(fresh.lm_head.weight, target.lm_head.weight[kept])
     # what vLLM's compute_logits does: scatter draft logits to target ids, -inf elsewhere
     _, logits = draft_logits(head, target)
     full = logits.new_full((*logits.shape[:-1], VOCAB), float("-inf"))
@@ -118,11 +150,23 @@ def test_d2t_maps_every_draft_id_to_its_target_id(tmp_path, target, artifacts, m
     assert bool(torch.isinf(full[..., ~t2d]).all())
 
 
-def test_eagle3_configs_carry_each_engines_layer_convention(tmp_path, artifacts):
-    _, artifact = artifacts[3]
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
+def test_full_vocabulary_head_ships_no_d2t(tmp_path, target, artifacts, fmt):
+    """vLLM 0.33 has no draft_id_to_target_id when the vocabularies are equal: a d2t would fail."""
+    _, artifact = artifacts["eagle3-full"]
+    out = exported(artifact, fmt, tmp_path / fmt, target)
+    weights = load_file(str(out / "model.safetensors"))
+    assert "d2t" not in weights and "t2d" not in weights
+    assert weights["lm_head.weight"].shape == (VOCAB, 64)
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == VOCAB
+
+
+def test_eagle3_configs_carry_each_engines_layer_convention(tmp_path, target, artifacts):
+    _, artifact = artifacts["eagle3"]
     vllm = json.loads((export(artifact, "vllm", tmp_path / "v") / "config.json").read_text())
     sglang = json.loads((export(artifact, "sglang", tmp_path / "s") / "config.json").read_text())
-    spec = json.loads((export(artifact, "speculators", tmp_path / "p") / "config.json").read_text())
+    spec = json.loads((exported(artifact, "speculators", tmp_path / "p", target)
+                       / "config.json").read_text())
     for config in (vllm, sglang):
         assert config["architectures"] == ["LlamaForCausalLMEagle3"]
         assert config["eagle_aux_hidden_state_layer_ids"] == list(AUX)  # vLLM: layer inputs
@@ -130,48 +174,69 @@ def test_eagle3_configs_carry_each_engines_layer_convention(tmp_path, artifacts)
         assert config["draft_vocab_size"] == DRAFT_VOCAB and config["vocab_size"] == VOCAB
         assert config["target_hidden_size"] == 64 and config["num_hidden_layers"] == 1
         assert config["norm_before_residual"] is False and config["tie_word_embeddings"] is False
-    assert spec["speculators_model_type"] == "eagle3"
+    assert spec["speculators_model_type"] == "eagle3" and spec["speculators_version"] == "0.9.0"
     assert spec["eagle_aux_hidden_state_layer_ids"] == list(AUX)
     assert spec["norm_before_residual"] is False
     assert spec["speculators_config"]["algorithm"] == "eagle3"
-    assert spec["speculators_config"]["verifier"]["name_or_path"] == "tiny-export"
+    assert spec["speculators_config"]["verifier"]["name_or_path"] == "org/tiny"
     assert spec["transformer_layer_config"]["vocab_size"] == VOCAB
-    names = set(load_file(str(tmp_path / "p" / "model.safetensors")))
-    assert "layers.0.hidden_norm.weight" in names and not any(
-        n.startswith("midlayer") for n in names
-    )
+    names = load_file(str(tmp_path / "p" / "model.safetensors"))
+    assert "layers.0.hidden_norm.weight" in names and not any(n.startswith("midlayer") for n in names)
+    # speculators does not fill embed_tokens from the verifier: the file carries the target's
+    assert torch.equal(names["embed_tokens.weight"], target.embed.weight.detach())
     names = set(load_file(str(tmp_path / "v" / "model.safetensors")))
     assert {"fc.weight", "midlayer.hidden_norm.weight", "norm.weight", "lm_head.weight"} <= names
     assert not any("embed_tokens" in n for n in names)
 
 
-def test_eagle1_layouts(tmp_path, artifacts):
-    _, artifact = artifacts[1]
+def test_eagle1_layouts_and_no_speculators(tmp_path, target, artifacts):
+    _, artifact = artifacts["eagle1"]
     vllm = export(artifact, "vllm", tmp_path / "v")
     sglang = export(artifact, "sglang", tmp_path / "s")
-    spec = export(artifact, "speculators", tmp_path / "p", verifier="org/tiny")
     assert json.loads((vllm / "config.json").read_text())["architectures"] == [
-        "EagleLlamaForCausalLM"
-    ]
+        "EagleLlamaForCausalLM"]
     assert json.loads((sglang / "config.json").read_text())["architectures"] == [
-        "LlamaForCausalLMEagle"
-    ]
+        "LlamaForCausalLMEagle"]
     v = load_file(str(vllm / "model.safetensors"))
     assert "fc.bias" not in v and "layers.0.self_attn.q_proj.weight" in v
     assert not any("input_layernorm" in n or "lm_head" in n or "embed" in n for n in v)
     s = load_file(str(sglang / "model.safetensors"))
-    assert torch.equal(
-        s["fc.bias"], torch.zeros(64, dtype=s["fc.weight"].dtype)
-    )  # SGLang's fc has one
-    p = load_file(str(spec / "model.safetensors"))
-    assert "fusion_fc.weight" in p and "transformer.mlp.down_proj.weight" in p
-    config = json.loads((spec / "config.json").read_text())
-    assert config["speculators_model_type"] == "eagle" and config["fusion_bias"] is False
-    assert config["speculators_config"]["verifier"]["name_or_path"] == "org/tiny"
+    assert torch.equal(s["fc.bias"], torch.zeros(64, dtype=s["fc.weight"].dtype))
+    with pytest.raises(ValueError, match="speculators has no EAGLE-1 model.*--format vllm"):
+        export(artifact, "speculators", tmp_path / "p", verifier="org/tiny", target=target)
+    assert not (tmp_path / "p").exists()
+
+
+def test_speculators_verifier_is_a_hub_id(tmp_path, target, artifacts):
+    _, artifact = artifacts["eagle3"]
+    with pytest.raises(ValueError, match="has none recorded: pass --verifier"):
+        export(artifact, "speculators", tmp_path / "a", target=target)  # tiny-export: no hub id
+    with pytest.raises(ValueError, match="not a Hugging Face hub id .it is a path on this machine"):
+        export(artifact, "speculators", tmp_path / "b", verifier=str(tmp_path), target=target)
+    with pytest.raises(ValueError, match="not a Hugging Face hub id .it is not of the form"):
+        export(artifact, "speculators", tmp_path / "c", verifier="smollm2-135m", target=target)
+    with pytest.raises(ValueError, match="needs the target's embedding|embed_tokens"):
+        export(artifact, "speculators", tmp_path / "d", verifier="org/tiny")
+    assert not any((tmp_path / n).exists() for n in "abcd")
+    # the hub id recorded or derived from what the artifact records about its target
+    assert recorded_hub_id({"target": {"name": "smollm2-135m"}}) == (
+        "HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert recorded_hub_id({"target": {"name": "x", "hub_id": "org/model"}}) == "org/model"
+    hub_dir = tmp_path / "models--meta-llama--Llama-3.1-8B" / "snapshots" / "abc"
+    hub_dir.mkdir(parents=True)
+    assert recorded_hub_id({"target": {"name": "abc"}, "base_model": str(hub_dir)}) == (
+        "meta-llama/Llama-3.1-8B")
+    local = tmp_path / "local-model"
+    local.mkdir()
+    (local / "config.json").write_text(json.dumps({"_name_or_path": "Qwen/Qwen3-8B"}))
+    assert recorded_hub_id({"target": {"name": "local-model", "path": str(local)}}) == (
+        "Qwen/Qwen3-8B")
+    (local / "config.json").write_text(json.dumps({"_name_or_path": str(local)}))
+    assert recorded_hub_id({"target": {"name": "local-model", "path": str(local)}}) is None
 
 
 def test_export_refuses_layers_a_llama_drafter_cannot_hold(tmp_path, artifacts):
-    _, artifact = artifacts[3]
+    _, artifact = artifacts["eagle3"]
     odd = tmp_path / "odd"
     odd.mkdir()
     (odd / "config.json").write_text((artifact / "config.json").read_text())
@@ -182,45 +247,303 @@ def test_export_refuses_layers_a_llama_drafter_cannot_hold(tmp_path, artifacts):
         export(odd, "vllm", tmp_path / "out")
 
 
-def test_load_exported_refuses_other_target(tmp_path, artifacts):
-    _, artifact = artifacts[3]
-    out = export(artifact, "vllm", tmp_path / "v")
-    with pytest.raises(ValueError, match="vocab"):
-        load_exported_eagle(out, make_target(vocab=VOCAB + 8))
-    with pytest.raises(FileNotFoundError):
-        load_exported_eagle(tmp_path / "nothing", make_target())
+# ------------------------------------------------------------------------------------------------
+# Importing published EAGLE layouts
+
+
+def _republish(src, dst, *, config=None, drop=(), add=None, rename=None):
+    """A copy of an export with its config edited and weights dropped / added / renamed."""
+    dst.mkdir()
+    meta = json.loads((src / "config.json").read_text())
+    meta.pop("draftsmith", None)
+    if config:
+        config(meta)
+    (dst / "config.json").write_text(json.dumps(meta))
+    weights = load_file(str(src / "model.safetensors"))
+    weights = {(rename(k) if rename else k): v for k, v in weights.items() if k not in drop}
+    weights.update(add or {})
+    save_file(weights, str(dst / "model.safetensors"))
+    return dst
+
+
+def _same_logits(a, b, target):
+    return all(torch.equal(x, y) for x, y in zip(draft_logits(a, target), draft_logits(b, target)))
+
+
+def test_imports_published_eagle3_variants(tmp_path, target, artifacts):
+    head, artifact = artifacts["eagle3"]
+    vllm = export(artifact, "vllm", tmp_path / "vllm")
+    embed = target.embed.weight.detach().clone()
+
+    def sglang_only(meta):  # SpecForge-style: aux ids only in eagle_config (layer outputs)
+        meta.pop("eagle_aux_hidden_state_layer_ids")
+
+    specforge = _republish(vllm, tmp_path / "specforge", config=sglang_only,
+                           add={"embed_tokens.weight": embed},
+                           rename=lambda k: k.replace("midlayer.", "layers.0."))
+    loaded = load_eagle_head(specforge, target)
+    assert loaded.config.aux_layer_ids == AUX and _same_logits(loaded, head, target)
+
+    only_t2d = _republish(vllm, tmp_path / "t2d-only", drop=("d2t",))
+    assert _same_logits(load_eagle_head(only_t2d, target), head, target)
+
+    def renamed_arch(meta):
+        meta["architectures"] = ["Eagle3LlamaForCausalLM"]
+
+    angelslim = _republish(vllm, tmp_path / "angelslim", config=renamed_arch,
+                           rename=lambda k: "model." + k if k.startswith("midlayer") else k)
+    assert _same_logits(load_eagle_head(angelslim, target), head, target)
+
+    # full vocabulary, no d2t/t2d, no lm_head of its own: vLLM shares the target's
+    full_head, full_artifact = artifacts["eagle3-full"]
+    with torch.no_grad():
+        full_head.lm_head.weight.copy_(target.lm_head.weight)
+    shared = _republish(export(full_artifact, "vllm", tmp_path / "full"), tmp_path / "shared",
+                        drop=("lm_head.weight",))
+    assert _same_logits(load_eagle_head(shared, target), full_head, target)
+
+
+def test_import_refuses_what_does_not_fit_the_target(tmp_path, target, artifacts):
+    _, artifact = artifacts["eagle3"]
+    ours = export(artifact, "vllm", tmp_path / "ours")
+    with pytest.raises(ValueError, match=r"hidden_size: 64 there vs 32 here"):
+        load_eagle_head(ours, make_target(hidden=32))  # our export records its target
+    vllm = _republish(ours, tmp_path / "vllm")  # as published: no draftsmith record
+
+    with pytest.raises(ValueError, match="config hidden_size is 64, the target 'tiny-export' has 32"):
+        load_eagle_head(vllm, make_target(hidden=32))
+    with pytest.raises(ValueError, match="vocab_size is 80, the target 'tiny-export' has 88"):
+        load_eagle_head(vllm, make_target(vocab=VOCAB + 8))
+
+    def far_layers(meta):
+        meta["eagle_aux_hidden_state_layer_ids"] = [1, 2, 7]
+
+    with pytest.raises(ValueError, match=r"\[1, 2, 7\].*1..3 for the target 'tiny-export' with 4"):
+        load_eagle_head(_republish(vllm, tmp_path / "far", config=far_layers), target)
+
+    def no_layers(meta):  # the engines' default (2, L // 2, L - 3) = (2, 2, 1): not ascending
+        meta.pop("eagle_aux_hidden_state_layer_ids")
+        meta.pop("eagle_config")
+
+    with pytest.raises(ValueError, match=r"\[2, 2, 1\]"):
+        load_eagle_head(_republish(vllm, tmp_path / "default", config=no_layers), target)
+
+    d2t = load_file(str(vllm / "model.safetensors"))["d2t"].clone()
+    d2t[-1] += 10
+    with pytest.raises(ValueError, match=r"d2t maps draft ids to target ids 3..84, outside the target.s vocabulary 0..79"):
+        load_eagle_head(_republish(vllm, tmp_path / "d2t", drop=("d2t", "t2d"),
+                                   add={"d2t": d2t}), target)
+    with pytest.raises(ValueError, match=r"d2t has shape \(23,\), draft_vocab_size 24"):
+        load_eagle_head(_republish(vllm, tmp_path / "d2t-short", drop=("d2t",),
+                                   add={"d2t": d2t[:-1]}), target)
+    fc = torch.zeros(64, 2 * 64, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"fc.weight has shape \(64, 128\).*needs \(64, 192\)"):
+        load_eagle_head(_republish(vllm, tmp_path / "fc", drop=("fc.weight",),
+                                   add={"fc.weight": fc}), target)
+    other = torch.randn(VOCAB, 64, dtype=torch.float64)
+    with pytest.raises(ValueError, match="embed_tokens.weight differs from the target's"):
+        load_eagle_head(_republish(vllm, tmp_path / "embed", add={"embed_tokens.weight": other}),
+                        target)
+    extra = {"layers.1.mlp.down_proj.weight": torch.zeros(64, 128, dtype=torch.float64)}
+    with pytest.raises(ValueError, match="more than one layer"):
+        load_eagle_head(_republish(vllm, tmp_path / "deep", add=extra), target)
+    with pytest.raises(ValueError, match="missing"):
+        load_eagle_head(_republish(vllm, tmp_path / "partial", drop=("norm.weight",)), target)
+
+
+def test_import_refuses_pickles_and_unsupported_variants(tmp_path, target, artifacts):
+    _, artifact = artifacts["eagle3"]
+    spec = exported(artifact, "speculators", tmp_path / "spec", target)
+
+    def residual_default(meta):  # vLLM's speculators bridge reads an absent flag as true
+        meta.pop("norm_before_residual")
+
+    with pytest.raises(ValueError, match="norm_before_residual"):
+        load_eagle_head(_republish(spec, tmp_path / "redhat", config=residual_default), target)
+
+    pickled = tmp_path / "authors"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((tmp_path / "spec" / "config.json").read_text())
+    (pickled / "pytorch_model.bin").write_bytes(b"not a pickle at all: it is never opened")
+    with pytest.raises(ValueError, match="pytorch_model.bin, a pickle, which draftsmith never "
+                                         "loads.*save_file.*weights_only=True"):
+        load_eagle_head(pickled, target)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_eagle_head(tmp_path / "nothing", target)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ValueError, match="not an EAGLE head"):
+        load_eagle_head(plain, target)
+    (plain / "config.json").write_text("{garbled")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_eagle_head(plain, target)
+
+
+# ------------------------------------------------------------------------------------------------
+# Medusa
+
+
+@pytest.fixture(scope="module")
+def medusa_artifacts(tmp_path_factory, target):
+    """(num_heads, num_layers, share, bias) -> (heads, artifact dir)."""
+    root = tmp_path_factory.mktemp("medusa")
+    out = {}
+    for key in ((3, 1, False, True), (2, 2, False, True), (3, 1, True, True), (3, 1, False, False),
+                (5, 1, False, True)):
+        k, n, share, bias = key
+        heads = MedusaHeads.from_target(target, num_heads=k, num_layers=n, share_lm_head=share,
+                                        bias=bias)
+        gen = torch.Generator().manual_seed(k + n)
+        with torch.no_grad():
+            for p in heads.parameters():
+                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.1)
+        tree = [(0,), (1,), (0, 0)]
+        out[key] = (heads.eval(), save_medusa(root / "-".join(map(str, key)), heads, target,
+                                              tree=tree))
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["trtllm", "fasterdecoding", "vllm-0.32"])
+@pytest.mark.parametrize("key", [(3, 1, False, True), (2, 2, False, True), (3, 1, True, True),
+                                 (3, 1, False, False)])
+def test_medusa_round_trip(tmp_path, target, medusa_artifacts, fmt, key):
+    heads, artifact = medusa_artifacts[key]
+    kwargs = {"base_model": "org/tiny", "write_pt": True} if fmt == "fasterdecoding" else {}
+    if fmt == "fasterdecoding" and key[1] > 1:
+        with pytest.raises(ValueError, match=r"\[ResBlock\(h\)\] \* medusa_num_layers.*trtllm"):
+            export(artifact, fmt, tmp_path / fmt, target=target, **kwargs)
+        return
+    out = export(artifact, fmt, tmp_path / fmt, target=target, **kwargs)
+    h = torch.randn(4, 64, dtype=torch.float64)
+    assert torch.equal(load_medusa_export(out)(h), heads(h))
+    imported = load_medusa_heads(out, target)
+    assert imported.tree == [(0,), (1,), (0, 0)]
+    assert torch.equal(imported.heads(h), heads(h))
+    files = {p.name for p in out.iterdir()}
+    meta = json.loads((out / "config.json").read_text())
+    if fmt == "vllm-0.32":
+        assert files == {MARKER, "config.json", "model.safetensors"}
+        assert meta["original_lm_head"] is key[2] and meta["medusa_fc_bias"] is key[3]
+    else:
+        assert {"config.json", "medusa_lm_head.safetensors"} <= files
+        assert (meta["medusa_num_heads"], meta["medusa_num_layers"]) == key[:2]
+    if fmt == "fasterdecoding":
+        assert meta["base_model_name_or_path"] == "org/tiny" and "model_type" not in meta
+        assert stat.S_IMODE((out / "medusa_lm_head.pt").stat().st_mode) == 0o644
+        # the only file FasterDecoding reads: plain tensors, loadable without unpickling code
+        pt = torch.load(out / "medusa_lm_head.pt", weights_only=True)
+        st = load_file(str(out / "medusa_lm_head.safetensors"))
+        assert pt.keys() == st.keys() and all(torch.equal(pt[k], st[k]) for k in st)
+
+
+def test_medusa_refusals_and_notes(tmp_path, target, medusa_artifacts, capsys):
+    _, artifact = medusa_artifacts[(3, 1, False, True)]
+    with pytest.raises(ValueError, match="current vLLM .0.33. has no Medusa model; vLLM 0.32.0 "
+                                         "was the last.*--format vllm-0.32.*trtllm"):
+        export(artifact, "vllm", tmp_path / "v")
+    with pytest.raises(ValueError, match="reads only medusa_lm_head.pt.*--write-pt"):
+        export(artifact, "fasterdecoding", tmp_path / "f", base_model="org/tiny")
+    with pytest.raises(ValueError, match="no hub id recorded: pass --base-model"):
+        export(artifact, "fasterdecoding", tmp_path / "f", write_pt=True)
+    with pytest.raises(ValueError, match="not a Hugging Face hub id"):
+        export(artifact, "fasterdecoding", tmp_path / "f", write_pt=True, base_model="tiny")
+    assert not any((tmp_path / n).exists() for n in "vf")
+
+    assert main([str(artifact), "--format", "trtllm", "--out", str(tmp_path / "t")]) == 0
+    printed = capsys.readouterr().out
+    assert "--num_medusa_heads 3 --num_medusa_layers 1" in printed
+    assert "--medusa_choices" in printed
+    command = trtllm_convert_command(tmp_path / "t", "/models/base", dtype="bfloat16")
+    assert command.startswith("python examples/medusa/convert_checkpoint.py --model_dir "
+                              "/models/base --medusa_model_dir")
+    assert "--max_medusa_token_len 63" in command
+
+    assert main([str(artifact), "--format", "fasterdecoding", "--out", str(tmp_path / "fd"),
+                 "--base-model", "org/tiny", "--write-pt"]) == 0
+    assert "builds 5 heads whatever config.json says" in capsys.readouterr().out
+    five, artifact5 = medusa_artifacts[(5, 1, False, True)]
+    assert main([str(artifact5), "--format", "fasterdecoding", "--out", str(tmp_path / "fd5"),
+                 "--base-model", "org/tiny", "--write-pt"]) == 0
+    assert "builds 5 heads" not in capsys.readouterr().out
+
+
+def test_medusa_import_of_published_layouts(tmp_path, target, medusa_artifacts):
+    heads, artifact = medusa_artifacts[(3, 1, False, True)]
+    out = export(artifact, "trtllm", tmp_path / "t")
+    # FasterDecoding's published configs sometimes name another head count: the weights decide
+    published = tmp_path / "published"
+    published.mkdir()
+    (published / "config.json").write_text(json.dumps(
+        {"medusa_num_heads": 5, "medusa_num_layers": 1, "base_model_name_or_path": "org/tiny"}))
+    (published / "medusa_lm_head.safetensors").write_bytes(
+        (out / "medusa_lm_head.safetensors").read_bytes())
+    imported = load_medusa_heads(published, target)
+    h = torch.randn(2, 64, dtype=torch.float64)
+    assert imported.heads.num_heads == 3 and torch.equal(imported.heads(h), heads(h))
+    assert imported.tree == [(0,), (0, 0), (0, 0, 0)]  # no medusa_choices: each head's top-1
+
+    with pytest.raises(ValueError, match=r"head 0 has shape \(80, 64\), the target 'tiny-export' "
+                                         r"needs \(88, 64\)"):
+        load_medusa_heads(published, make_target(vocab=VOCAB + 8))
+    with pytest.raises(ValueError, match=r"vocab_size: 80 there vs 88 here"):
+        load_medusa_heads(out, make_target(vocab=VOCAB + 8))  # our export records its target
+    pt_only = tmp_path / "pt-only"
+    pt_only.mkdir()
+    (pt_only / "config.json").write_text((published / "config.json").read_text())
+    (pt_only / "medusa_lm_head.pt").write_bytes(b"never opened")
+    with pytest.raises(ValueError, match="only as medusa_lm_head.pt, a pickle.*save_file"):
+        load_medusa_heads(pt_only, target)
+
+
+# ------------------------------------------------------------------------------------------------
+# Output directories, command line, --check
+
+
+def test_never_loses_a_users_files(tmp_path, target, artifacts, capsys):
+    _, artifact = artifacts["eagle3"]
+    keep = tmp_path / "model-copy"
+    keep.mkdir()
+    (keep / "config.json").write_text('{"model_type": "llama"}')  # an HF directory, not ours
+    assert main([str(artifact), "--format", "vllm", "--out", str(keep)]) == 2
+    assert "did not write (config.json); choose a new directory, or pass --overwrite" in (
+        capsys.readouterr().err)
+    assert (keep / "config.json").read_text() == '{"model_type": "llama"}'
+    assert main([str(artifact), "--format", "vllm", "--out", str(keep), "--overwrite"]) == 0
+    assert "draft_vocab_size" in (keep / "config.json").read_text()
+
+    # the artifact itself, or a directory containing it: never, not even with --overwrite
+    before = sorted(p.name for p in artifact.iterdir())
+    for out in (artifact, artifact.parent):
+        assert main([str(artifact), "--format", "vllm", "--out", str(out), "--overwrite"]) == 2
+        assert "source of this operation" in capsys.readouterr().err
+    assert sorted(p.name for p in artifact.iterdir()) == before
+
+    # another artifact is not an earlier export
+    _, other = artifacts["eagle1"]
+    assert main([str(artifact), "--format", "vllm", "--out", str(other)]) == 2
+    assert "holds a draftsmith 'artifact', not an earlier export" in capsys.readouterr().err
+    # an earlier export is replaced
+    assert main([str(artifact), "--format", "sglang", "--out", str(keep)]) == 0
 
 
 def test_cli_and_bad_inputs(tmp_path, artifacts, capsys):
-    _, artifact = artifacts[3]
-    assert main([str(artifact), "--format", "speculators", "--out", str(tmp_path / "ok")]) == 0
-    assert (tmp_path / "ok" / "model.safetensors").is_file()
-    # exporting again over an earlier export replaces it
-    assert main([str(artifact), "--format", "vllm", "--out", str(tmp_path / "ok")]) == 0
-
+    _, artifact = artifacts["eagle3"]
     assert main([str(artifact), "--format", "trtllm", "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert "eagle3 artifact exports to vllm | sglang | speculators" in err and "trtllm" in err
     assert not (tmp_path / "x").exists()
-
     assert main([str(tmp_path / "missing"), "--format", "vllm", "--out", str(tmp_path / "y")]) == 2
     assert "does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # --out is required
         main([str(artifact), "--format", "vllm"])
     with pytest.raises(SystemExit):  # not a format of any method
         main([str(artifact), "--format", "onnx", "--out", str(tmp_path / "z")])
-
-    keep = tmp_path / "mine"
-    keep.mkdir()
-    (keep / "notes.txt").write_text("do not delete")
-    with pytest.raises(ValueError, match="not an earlier export"):
-        export(artifact, "vllm", keep)
-    assert (keep / "notes.txt").read_text() == "do not delete"
-
     medusa = tmp_path / "medusa"
     medusa.mkdir()
     (medusa / "config.json").write_text(json.dumps({"method": "medusa"}))
-    with pytest.raises(ValueError, match=re.escape("medusa artifact exports to vllm | trtllm")):
+    with pytest.raises(ValueError, match=re.escape("medusa artifact exports to trtllm | "
+                                                   "fasterdecoding | vllm-0.32")):
         export(medusa, "sglang", tmp_path / "m")
     plain = tmp_path / "plain"
     plain.mkdir()
@@ -230,18 +553,43 @@ def test_cli_and_bad_inputs(tmp_path, artifacts, capsys):
     assert FORMATS["draft"] == ("hf",)
 
 
-def test_draft_exports_as_a_clean_hf_directory(tmp_path):
+def test_check_reports_what_it_verified(tmp_path, target, artifacts, capsys):
+    _, artifact = artifacts["eagle3"]
+    target_dir = tmp_path / "target"
+    target.model.save_pretrained(target_dir)
+    save_word_tokenizer(target_dir, VOCAB)
+    assert main([str(artifact), "--format", "vllm", "--out", str(tmp_path / "v"), "--check",
+                 "--target", str(target_dir)]) == 0
+    printed = capsys.readouterr().out
+    assert re.search(r"verified: round trip: vllm export read back gives the artifact's draft "
+                     r"logits \(max \|diff\| 0 ", printed)
+    assert "not verified: loading by the consumer itself: vLLM 0.33.0 needs a GPU build" in printed
+    assert main([str(artifact), "--format", "sglang", "--out", str(tmp_path / "s"),
+                 "--check"]) == 0
+    assert "not verified: round trip and consumer load: the target is needed" in (
+        capsys.readouterr().out)
+
+
+def save_word_tokenizer(directory, vocab: int) -> None:
+    """A whitespace word-level tokenizer w0..w{vocab-2} + [UNK], so load_target can read the dir."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(WordLevel({f"w{i}": i for i in range(vocab - 1)} | {"[UNK]": vocab - 1},
+                                unk_token="[UNK]"))
+    words.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(directory)
+
+
+def test_draft_exports_as_a_clean_hf_directory(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     draft = tmp_path / "draft"
     model = make_target(vocab=16, hidden=32).model
     model.save_pretrained(draft)
-    words = Tokenizer(WordLevel({f"w{i}": i for i in range(15)} | {"[UNK]": 15}, unk_token="[UNK]"))
-    words.pre_tokenizer = Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(draft)
+    save_word_tokenizer(draft, 16)
     config = json.loads((draft / "config.json").read_text())
     config["draftsmith"] = {"method": "draft", "loss": "jsd", "target": {"name": "t"}}
     (draft / "config.json").write_text(json.dumps(config))

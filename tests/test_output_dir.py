@@ -1,0 +1,100 @@
+"""heads.output_dir.write_dir: atomic, marked, readable by others, never replacing what it must not."""
+
+from __future__ import annotations
+
+import json
+import stat
+
+import pytest
+
+from heads.output_dir import MARKER, check_destination, read_marker, write_dir
+
+
+def fill_with(text: str):
+    def fill(tmp):
+        (tmp / "a.txt").write_text(text)
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "b.txt").write_text(text)
+    return fill
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_new_directory_is_marked_and_readable_by_others(tmp_path):
+    out = write_dir(tmp_path / "deep" / "out", fill_with("one"), kind="export",
+                    marker={"format": "vllm"})
+    assert (out / "a.txt").read_text() == "one"
+    assert read_marker(out) == {"written_by": "draftsmith", "kind": "export", "format": "vllm"}
+    assert mode(out) == 0o755 and mode(out / "sub") == 0o755
+    assert mode(out / "a.txt") == 0o644 and mode(out / "sub" / "b.txt") == 0o644
+    assert mode(out / MARKER) == 0o644
+    assert [p.name for p in out.parent.iterdir()] == ["out"]  # no staging left behind
+
+
+def test_replaces_only_its_own_kind_or_with_overwrite(tmp_path):
+    out = tmp_path / "out"
+    write_dir(out, fill_with("one"), kind="export")
+    write_dir(out, fill_with("two"), kind="export")  # an earlier export: replaced
+    assert (out / "a.txt").read_text() == "two"
+    with pytest.raises(ValueError, match="holds a draftsmith 'export', not an earlier artifact"):
+        write_dir(out, fill_with("three"), kind="artifact")
+    assert (out / "a.txt").read_text() == "two"
+    write_dir(out, fill_with("three"), kind="artifact", overwrite=True)
+    assert read_marker(out)["kind"] == "artifact"
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text("{}")  # looks like a model directory: not ours
+    with pytest.raises(ValueError, match=r"did not write \(config.json\).*--overwrite"):
+        write_dir(mine, fill_with("x"), kind="export")
+    assert (mine / "config.json").read_text() == "{}"
+    (mine / MARKER).write_text("not json")  # a garbled marker is no marker
+    with pytest.raises(ValueError, match="did not write"):
+        write_dir(mine, fill_with("x"), kind="export")
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    write_dir(empty, fill_with("x"), kind="export")  # an empty directory is fine
+    assert (empty / "a.txt").is_file()
+
+
+def test_source_is_never_replaced_even_with_overwrite(tmp_path):
+    source = tmp_path / "runs" / "artifact"
+    write_dir(source, fill_with("weights"), kind="artifact")
+    for dest in (source, tmp_path / "runs", tmp_path):
+        with pytest.raises(ValueError, match="source of this operation.*not even with --overwrite"):
+            write_dir(dest, fill_with("x"), kind="artifact", overwrite=True, protect=[source])
+    assert (source / "a.txt").read_text() == "weights"
+    # a new directory inside the source is allowed (nothing of it is replaced)
+    write_dir(source / "vllm", fill_with("x"), kind="export", protect=[source])
+    assert (source / "a.txt").read_text() == "weights"
+
+
+def test_a_failing_fill_keeps_the_previous_directory(tmp_path):
+    out = tmp_path / "out"
+    write_dir(out, fill_with("old"), kind="export")
+
+    def broken(tmp):
+        (tmp / "a.txt").write_text("half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        write_dir(out, broken, kind="export")
+    assert (out / "a.txt").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_bad_destinations(tmp_path):
+    target = tmp_path / "file.txt"
+    target.write_text("x")
+    with pytest.raises(ValueError, match="not a directory"):
+        check_destination(target, kind="export")
+    real = tmp_path / "real"
+    write_dir(real, fill_with("x"), kind="export")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(ValueError, match="symbolic link"):
+        check_destination(link, kind="export")
+    assert json.loads((real / MARKER).read_text())["written_by"] == "draftsmith"
