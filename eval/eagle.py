@@ -25,7 +25,8 @@ import torch
 from eval.kv import crop
 from eval.proposers import Proposer
 from eval.tree import DraftTree
-from heads.eagle import EagleHead, attention_bias, causal_mask, load_eagle
+from heads.eagle import EagleHead, attention_bias, causal_mask
+from heads.public_heads import load_eagle_head
 from heads.target import Target, default_device_dtype
 
 DEFAULT_DEPTH = 5
@@ -66,7 +67,7 @@ class EagleProposer(Proposer):
         dtype = getattr(args, "draft_dtype", None) if args is not None else None
         if dtype is not None:  # e.g. bf16 beside an fp32 target: the head's numerics never touch exactness
             dtype = default_device_dtype("cpu", dtype)[1]
-        head = load_eagle(path, target, dtype=dtype).eval()
+        head = load_eagle_head(path, target, dtype=dtype).eval()
 
         def pick(attr, default):
             value = getattr(args, attr, None) if args is not None else None

@@ -35,7 +35,8 @@ from eval.kv import crop, new_cache
 from eval.proposers import Proposer
 from eval.sampling import SamplingParams, warp
 from eval.tree import DraftTree
-from heads.medusa import MedusaArtifact, MedusaHeads, RankPath, check_tree, load_medusa
+from heads.medusa import MedusaArtifact, MedusaHeads, RankPath, check_tree
+from heads.public_heads import load_medusa_heads
 from heads.target import Target
 
 TYPICAL_PREFIX = "typical:"
@@ -377,7 +378,7 @@ class MedusaProposer(Proposer):
         spec = str(path)
         if spec.startswith(TYPICAL_PREFIX):
             spec, cls = spec[len(TYPICAL_PREFIX):], TypicalMedusaProposer
-        artifact = load_medusa(spec, target)
+        artifact = load_medusa_heads(spec, target)
         tree = tree_for(artifact, _arg(args, "tree_nodes"), _arg(args, "tree_depth"),
                         _arg(args, "tree_topk"))
         if cls is TypicalMedusaProposer:

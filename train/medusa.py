@@ -805,8 +805,9 @@ def export(cfg: MedusaTrainConfig, accelerator, target: Target, heldout: HeldOut
                 f"{_fmt(record.get('final/tau'))}\n"
                 f"  measure: python -m eval.bench --target {bench_target} --method plain "
                 f"--method medusa:{artifact} --prompts {cfg.eval_prompts}\n"
-                f"  export:  python -m heads.export {artifact} --format vllm --out "
-                f"{Path(cfg.output_dir) / 'vllm'}   (or trtllm)")
+                f"  export:  python -m heads.export {artifact} --format trtllm --out "
+                f"{Path(cfg.output_dir) / 'trtllm'}   (or fasterdecoding --write-pt, "
+                f"vllm-0.32)")
             if cfg.medusa2:
                 accelerator.print(
                     f"  Medusa-2: the heads are verified against the adapted target in "
