@@ -255,6 +255,23 @@ def test_a_fresh_draft_has_the_target_vocabulary_and_its_own_size(files, tmp_pat
 # Training runs
 
 
+def test_gradient_checkpointing_gives_the_same_gradients(files, tmp_path):
+    target = load_target(files["target"])
+    rows, _ = load_distill_rows(files["data"][:1], target, 48)
+    batch = collate_distill(rows[:4], target.tokenizer.pad_token_id)
+    grads = []
+    for checkpointing in (False, True):
+        cfg = base_config(files, tmp_path, draft="truncate:2", gradient_checkpointing=checkpointing)
+        draft = build_draft(cfg, target).train()
+        assert draft.is_activation_checkpointing == checkpointing
+        loss, _, _ = distill_loss(draft, target, batch, cfg, reduction="sum")
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 4
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, msg=name)
+
+
 class StopAfter(GracefulStop):
     """A stop request after ``STEPS`` optimizer steps, exactly as a SIGTERM would make one."""
 

@@ -32,6 +32,7 @@ from train.config import config_from_dict, config_to_dict, parse_config
 from train.medusa import (
     MedusaObjective,
     MedusaTrainConfig,
+    build_objective,
     head_rows,
     main,
     projected_cross_entropy,
@@ -296,6 +297,30 @@ def test_medusa2_loss_adds_the_kl_and_ce_of_the_adapted_model_with_exact_gradien
     fresh.load_state_dict(saved)  # strict: the frozen keys may be absent
     for name, tensor in fresh.state_dict().items():
         assert torch.equal(tensor, saved[name])
+
+
+@pytest.mark.filterwarnings(PEFT_WARNING)
+def test_medusa2_gradient_checkpointing_gives_the_same_gradients(small):
+    target, ids, attention, mask = small
+    grads = []
+    for checkpointing in (False, True):
+        cfg = loss_config(medusa2=True, lora_r=2, lora_target_modules=["q_proj", "down_proj"],
+                          gradient_checkpointing=checkpointing)
+        torch.manual_seed(3)
+        objective = build_objective(cfg, target)
+        with torch.no_grad():  # non-zero B: gradients reach the adapters' A matrices too
+            for name, p in objective.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+        assert objective.adapted_model().is_activation_checkpointing == checkpointing
+        teacher = target_hidden(target, ids, attention)
+        loss, _ = objective(ids, attention, mask, teacher, reduction="sum")
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in objective.named_parameters()
+                      if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and any("lora_A" in n for n in grads[0])
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, msg=name)
 
 
 # ------------------------------------------------------------------------------------------------

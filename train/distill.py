@@ -430,6 +430,9 @@ def build_draft(cfg: DistillConfig, target: Target) -> nn.Module:
         # truncate:N -> an independent copy; a directory -> its vocabulary/tokenizer checked
         draft = load_draft(cfg.draft, target, trainable=True)
     draft = draft.float()
+    if cfg.gradient_checkpointing:  # recompute the draft's layers in the backward pass
+        draft.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora:
         modules = cfg.lora_target_modules
         draft = add_lora(draft, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,

@@ -487,13 +487,17 @@ def _allow_missing_frozen_keys(module: MedusaObjective, incompatible) -> None:
 
 def build_objective(cfg: MedusaTrainConfig, target: Target) -> MedusaObjective:
     """Fresh heads (identity blocks, projections from the LM head) and, for Medusa-2, a LoRA
-    copy of the target in its own dtype, with fp32 adapters, in training mode."""
+    copy of the target in its own dtype, with fp32 adapters, in training mode (its activations
+    recomputed in the backward pass with ``gradient_checkpointing``)."""
     heads = MedusaHeads.from_target(target, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
                                     share_lm_head=cfg.share_lm_head, bias=cfg.head_bias)
     adapted = None
     if cfg.medusa2:
         # a separate copy: peft edits the model it wraps, and the original stays the KL reference
         model = copy.deepcopy(target.model)
+        if cfg.gradient_checkpointing:  # recompute the adapted target's layers in backward
+            model.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": False})
         modules = cfg.lora_target_modules
         adapted = add_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                            target_modules="all-linear" if modules == ["all-linear"] else modules)
