@@ -53,10 +53,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -84,6 +81,7 @@ from heads.medusa import (
     rank_accuracy,
     save_medusa,
 )
+from heads.output_dir import write_dir
 from heads.target import Target, load_target, wrap_target
 from train.accelerator import make_accelerator
 from train.batches import make_batches, row_sizes, split_heldout
@@ -671,26 +669,20 @@ def save_adapted_target(model: nn.Module, tokenizer, out_dir: Path, base_identit
 
 def write_artifact(out_dir: Path, heads: MedusaHeads, target: Target, tree, tree_info: dict,
                    extra: dict, adapted: nn.Module | None = None) -> Path:
-    """Heads (+ the adapted target in ``target/`` for Medusa-2), staged and renamed into place."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
-    try:
-        staged = staging / out_dir.name
-        extra = dict(extra)
-        if adapted is not None:
-            digest = weights_digest(adapted)
-            extra["adapted_target"] = {"path": "target", "digest": digest}
-            extra["base_model"] = str((out_dir / "target").resolve())
+    """Heads (+ the adapted target in ``target/`` for Medusa-2), written atomically."""
+    extra = dict(extra)
+    if adapted is not None:
+        digest = weights_digest(adapted)
+        extra["adapted_target"] = {"path": "target", "digest": digest}
+        extra["base_model"] = str((out_dir / "target").resolve())
+
+    def fill(staged: Path) -> None:
         save_medusa(staged, heads, target, tree=tree, tree_info=tree_info, extra=extra)
         if adapted is not None:
             save_adapted_target(adapted, target.tokenizer, staged / "target", target.identity(),
                                 extra["adapted_target"]["digest"])
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(staged, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out_dir
+
+    return write_dir(out_dir, fill, kind="artifact")
 
 
 # ------------------------------------------------------------------------------------------------
