@@ -57,8 +57,10 @@ BASE = dict(target="tiny-llama", max_steps=6, per_device_batch_size=4, gradient_
 
 
 def _subprocess_env() -> dict:
-    # one thread per process: the CPU is shared, and oversubscribed threads make torch crawl
-    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    # one thread per process: the CPU is shared, and oversubscribed threads make torch crawl;
+    # the toy trainer imports this checkout's packages, whatever is installed
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": path}
 
 
 @pytest.fixture(scope="module")

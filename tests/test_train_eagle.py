@@ -341,12 +341,20 @@ def test_online_and_offline_features_give_the_same_first_step(files, whole_run, 
     cache = tmp_path / "cache"
     offline = main(config(files, tmp_path / "run", version=version, lr_schedule="constant",
                           feature_mode="offline", feature_cache_dir=str(cache), max_steps=1,
-                          eval_every=0))
+                          eval_every=0, feature_dtype="fp32"))
     assert offline["step"] == 1 and (cache / "index.json").is_file()
-    online_first, offline_first = losses(whole)[0], losses(tmp_path / "run")[0]
-    for key, value in online_first.items():
-        if key.startswith(("loss", "acc_", "ce_loss", "feature_loss")):
-            assert offline_first[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert not offline["target"].layers[0].self_attn.q_proj.weight.is_meta  # it wrote the cache
+    # a second run from the finished cache loads only what the loss reads from the target
+    again = main(config(files, tmp_path / "again", version=version, lr_schedule="constant",
+                        feature_mode="offline", feature_cache_dir=str(cache), max_steps=1,
+                        eval_every=0, feature_dtype="fp32"))
+    assert again["target"].layers[0].self_attn.q_proj.weight.is_meta
+    online_first = losses(whole)[0]
+    for run in ("run", "again"):
+        offline_first = losses(tmp_path / run)[0]
+        for key, value in online_first.items():
+            if key.startswith(("loss", "acc_", "ce_loss", "feature_loss")):
+                assert offline_first[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
 def test_loss_falls_on_a_repeated_batch(files, tmp_path):

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -439,6 +442,41 @@ def test_regenerated_data_comes_from_the_target(files, tmp_path):
     expected = target.tokenizer.decode(out[0, len(prompt):], skip_special_tokens=True)
     assert first["messages"][-1]["content"] == expected
     assert len(result["tree"]) == 3 and result["step"] == 1
+
+
+def test_two_processes_regenerate_their_shares_and_train_the_one_process_steps(files, tmp_path):
+    """torchrun, 2 CPU processes: each answers half of the prompts (no process waits while
+    another generates), the main process joins the shards in input order, and the run trains
+    the steps one process trains on the same answers."""
+    common = dict(regenerate=True, regenerate_max_new_tokens=6, regenerate_temperature=0.0,
+                  max_steps=2, eval_every=2, eval_num_prompts=2, heldout_every=0,
+                  tree_budget="3", num_heads=2, save_every=0)
+    cfg = base_config(files, tmp_path / "two", per_device_batch_size=2, **common)
+    argv = [f"--{k}={','.join(map(str, v)) if isinstance(v, list) else v}"
+            for k, v in config_to_dict(cfg).items() if v is not None]
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(REPO / "train/medusa.py"), *argv], cwd=REPO, capture_output=True, text=True,
+        timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    two = tmp_path / "two"
+    shards = sorted(p.name for p in two.glob("regenerated.shard-*-of-2.jsonl"))
+    assert shards == ["regenerated.shard-0-of-2.jsonl", "regenerated.shard-1-of-2.jsonl"]
+    merged = [json.loads(line) for line in (two / "regenerated.jsonl").read_text().splitlines()]
+    assert [r["prompt_index"] for r in merged] == list(range(24))  # input order, every prompt
+    alone = main(base_config(files, tmp_path / "alone", **common))  # one process regenerating
+    answers = [json.loads(line)
+               for line in (tmp_path / "alone" / "regenerated.jsonl").read_text().splitlines()]
+    assert sorted(answers, key=lambda r: r["prompt_index"]) == merged  # greedy: the same answers
+    assert alone["step"] == 2
+    # one process with the same global batch, on the merged file, trains the same steps
+    trained = {**common, "regenerate": False, "data": [str(two / "regenerated.jsonl")]}
+    main(base_config(files, tmp_path / "one", per_device_batch_size=4, **trained))
+    for a, b in zip(records(tmp_path / "one"), records(two), strict=True):
+        if "loss" in a:
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+        if "eval/tau" in a:  # the acceptance measured on each process's share, summed
+            assert b["eval/tau"] == pytest.approx(a["eval/tau"])
 
 
 # ------------------------------------------------------------------------------------------------

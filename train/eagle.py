@@ -67,12 +67,17 @@ from heads.eagle import (
     count_tokens,
     target_features,
 )
-from heads.target import Target, load_target
+from heads.target import Target, load_target, load_target_parts
 from train.accelerator import make_accelerator
 from train.batches import make_batches, row_sizes
 from train.config import TrainConfig, option, parse_config
 from train.data import collate_causal_lm, load_sft_dataset
-from train.eagle_features import FeatureCache, collate_features, write_feature_cache
+from train.eagle_features import (
+    FeatureCache,
+    cache_is_complete,
+    collate_features,
+    write_feature_cache,
+)
 from train.loop import Recipe, StepOutput, TrainResult
 from train.tracking import AcceptanceEval
 
@@ -104,7 +109,11 @@ class EagleTrainConfig(TrainConfig):
         may_change_on_resume=True)
     feature_cache_dir: str | None = option(
         None, "offline mode: the feature cache directory (none: <output_dir>/features); a cache "
-        "written for the same target, head layers and data is reused", may_change_on_resume=True)
+        "written for the same target, head layers, dtype and data is reused (and finished if a "
+        "run was interrupted), anything else is refused", may_change_on_resume=True)
+    feature_dtype: Literal["bf16", "fp32"] = option(
+        "bf16", "offline mode: the dtype the cache stores features in (bf16 halves the disk; "
+        "the head reads them in its own precision)", may_change_on_resume=True)
     tree_depth: int = option(DEFAULT_DEPTH, "evaluation: EAGLE-2 tree depth",
                              may_change_on_resume=True)
     tree_topk: int = option(DEFAULT_TOPK, "evaluation: children per expanded tree node",
@@ -191,7 +200,12 @@ def check_resumed_vocabulary(head: EagleHead, d2t: torch.Tensor, t2d: torch.Tens
 def build(cfg: EagleTrainConfig) -> Recipe:
     """The run, ready to train: target, data, head, loss, evaluation and export."""
     accelerator = make_accelerator(cfg)  # first: seeds before any weights
-    target = load_target(cfg.target, device=accelerator.device)  # frozen; never prepared
+    cache_dir = Path(cfg.feature_cache_dir or Path(cfg.output_dir) / "features")
+    if cfg.feature_mode == "offline" and not cfg.eval_every and cache_is_complete(cache_dir):
+        # training from a finished cache reads the embedding, final norm and LM head only
+        target = load_target_parts(cfg.target, device=accelerator.device)
+    else:
+        target = load_target(cfg.target, device=accelerator.device)  # frozen; never prepared
     pad_id = target.tokenizer.pad_token_id
     pad_id = target.eos_token_ids[0] if pad_id is None else pad_id
 
@@ -204,12 +218,14 @@ def build(cfg: EagleTrainConfig) -> Recipe:
         accelerator.print(f"[draftsmith] draft vocabulary: {config.draft_vocab_size} of "
                           f"{config.vocab_size} target tokens, covering {coverage:.2%} of the "
                           f"training data's assistant tokens")
-    if cfg.feature_mode == "offline":
-        cache_dir = Path(cfg.feature_cache_dir or Path(cfg.output_dir) / "features")
-        with accelerator.main_process_first():  # one process writes, the others reuse it
-            write_feature_cache(target, dataset, cache_dir, config,
-                                batch_size=cfg.per_device_batch_size,
-                                progress=accelerator.is_main_process)
+    if cfg.feature_mode == "offline":  # every process writes its share of the files at once
+        write_feature_cache(target, dataset, cache_dir, config,
+                            process_index=accelerator.process_index,
+                            num_processes=accelerator.num_processes,
+                            batch_size=cfg.per_device_batch_size,
+                            dtype=torch.bfloat16 if cfg.feature_dtype == "bf16" else torch.float32,
+                            progress=accelerator.is_main_process)
+        accelerator.wait_for_everyone()
         rows = FeatureCache(cache_dir, config, target)
         collate = partial(collate_features, pad_token_id=pad_id)
     else:

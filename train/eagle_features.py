@@ -257,6 +257,16 @@ def _complete(directory: Path, entry: dict) -> bool:
     return path.is_file() and path.stat().st_size == entry["bytes"]
 
 
+def cache_is_complete(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` holds a feature cache with every file written (its target, layers
+    and data are checked by :func:`write_feature_cache` and :class:`FeatureCache`)."""
+    directory = Path(directory)
+    if not (directory / INDEX).is_file():
+        return False
+    index = _read_index(directory)
+    return all(_complete(directory, entry) for entry in index["files"])
+
+
 def write_feature_cache(
     target: Target,
     dataset: Sequence[Mapping],

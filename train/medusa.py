@@ -87,7 +87,7 @@ from train.accelerator import make_accelerator
 from train.batches import make_batches, row_sizes, split_heldout
 from train.checkpoints import TrainState
 from train.config import TrainConfig, option, parse_config
-from train.data import collate_causal_lm, load_sft_dataset, regenerate
+from train.data import collate_causal_lm, load_sft_dataset, merge_shards, regenerate
 from train.loop import Recipe, StepOutput, TrainResult
 from train.tracking import AcceptanceEval, PeriodicEval
 
@@ -507,20 +507,29 @@ def build_objective(cfg: MedusaTrainConfig, target: Target) -> MedusaObjective:
 
 
 def training_sources(cfg: MedusaTrainConfig, target: Target, accelerator: Accelerator) -> list[str]:
-    """``cfg.data``, or the file of the target's own answers to its prompts (``regenerate``)."""
+    """``cfg.data``, or the file of the target's own answers to its prompts (``regenerate``).
+
+    Every process answers its share of the prompts at the same time (shard i of n), then the
+    main process joins the shards in input order; a rerun continues where each shard stopped.
+    """
     if not cfg.regenerate:
         return list(cfg.data)
     if not cfg.data:
         raise ValueError("regenerate: true needs prompts: set config key 'data'")
     out = Path(cfg.output_dir) / "regenerated.jsonl"
-    if accelerator.is_main_process:
-        # the frozen original answers (Medusa-2 too): the data the adapted model is kept close to
-        written = regenerate(target, cfg.data, out, max_new_tokens=cfg.regenerate_max_new_tokens,
-                             temperature=cfg.regenerate_temperature,
-                             batch_size=cfg.regenerate_batch_size,
-                             max_prompts=cfg.regenerate_max_prompts, seed=cfg.seed)
-        accelerator.print(f"[draftsmith] the target answered {written} more prompts into {out}")
+    shard = (accelerator.process_index, accelerator.num_processes)
+    # the frozen original answers (Medusa-2 too): the data the adapted model is kept close to
+    written = regenerate(target, cfg.data, out, max_new_tokens=cfg.regenerate_max_new_tokens,
+                         temperature=cfg.regenerate_temperature,
+                         batch_size=cfg.regenerate_batch_size,
+                         max_prompts=cfg.regenerate_max_prompts, seed=cfg.seed, shard=shard,
+                         progress=accelerator.is_main_process)
     accelerator.wait_for_everyone()
+    if accelerator.num_processes > 1 and accelerator.is_main_process:
+        merge_shards(out, accelerator.num_processes)
+    accelerator.wait_for_everyone()
+    accelerator.print(f"[draftsmith] the target answered {written} more prompts (this process) "
+                      f"into {out}")
     return [str(out)]
 
 
