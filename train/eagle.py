@@ -20,7 +20,9 @@ Features come from the frozen target in one of two ways (``feature_mode``), givi
   epoch);
 * ``offline``: the target runs once over the data before training and its hidden states are read
   back from a cache (``feature_cache_dir``, default ``<output_dir>/features``); this pays off over
-  several epochs. Disk: about 4.6 KB per token for EAGLE-3 on smollm2-135m in bf16 (see
+  several epochs. Every process writes its share of the cache; a finished cache is reused, and a
+  run from it (with ``eval_every 0``) loads only the target's embedding, final norm and LM head.
+  Disk for EAGLE-3 on smollm2-135m in bf16: 3.5 KB per token plus 1.2 KB per scored token (see
   ``train/eagle_features.py``).
 
 Training data is what ``train.data.load_sft_dataset`` reads. EAGLE recommends answers the target
