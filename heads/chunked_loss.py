@@ -34,7 +34,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 # 256 rows x 128256 tokens x 4 bytes = 131 MB per float32 temporary; a chunk makes about six.
@@ -59,13 +58,144 @@ class ProjectedLoss:
     count: int  # rows given (n)
 
 
-def _teacher_logits(teacher_head: nn.Module, teacher_states: torch.Tensor) -> torch.Tensor:
-    """The teacher's logits in its own dtype (autocast off: it is the frozen target's output)."""
+def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(c, V), (c, V) -> (c,) row-wise dot products, without a (c, V) product in memory."""
+    return torch.bmm(a[:, None, :], b[:, :, None]).reshape(-1)
+
+
+class _Buffers:
+    """(chunk, width) work buffers, allocated once per call and reused by every chunk.
+
+    Reuse matters on CPU: a fresh (chunk, vocab) tensor is a fresh mmap whose first touch
+    page-faults, which costs more than the arithmetic on it.
+    """
+
+    def __init__(self, rows: int, device: torch.device):
+        self.rows, self.device = rows, device
+        self._made: dict[tuple[str, int, torch.dtype], torch.Tensor] = {}
+
+    def get(self, name: str, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (name, width, dtype)
+        if key not in self._made:
+            self._made[key] = torch.empty(self.rows, width, dtype=dtype, device=self.device)
+        return self._made[key][:rows]
+
+
+def _project(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+             buffers: _Buffers) -> torch.Tensor:
+    """out[:] = x @ weight.T (x (c, H), weight (V, H)), the product in weight's dtype."""
+    if weight.dtype == out.dtype:
+        return torch.mm(x.to(weight.dtype), weight.t(), out=out)
+    product = buffers.get("product", out.shape[0], out.shape[1], weight.dtype)
+    torch.mm(x.to(weight.dtype), weight.t(), out=product)
+    return out.copy_(product)
+
+
+def _plain_linear(module) -> bool:
+    return isinstance(module, nn.Linear) and module.bias is None
+
+
+def _teacher_logits(teacher_head: nn.Module, teacher_states: torch.Tensor,
+                    out: torch.Tensor | None = None, buffers: _Buffers | None = None):
+    """The teacher's logits (autocast off: exactly the frozen target's output, in its dtype).
+
+    With ``out`` (a bias-free ``nn.Linear`` only) they are written there, in out's dtype.
+    """
     weight = getattr(teacher_head, "weight", None)
     if weight is not None:
         teacher_states = teacher_states.to(weight.dtype)
     with torch.autocast(teacher_states.device.type, enabled=False):
+        if out is not None:
+            return _project(teacher_states, weight, out, buffers)
         return teacher_head(teacher_states)
+
+
+def _chunk_loop(states, weight_mm, labels, teacher_states, teacher_head, teacher_columns,
+                row_mask, group_weights, hard_weight, soft_weight, chunk_size, topk,
+                grad_states, grad_weight, sums, hits, compute):
+    """The forward pass proper (autocast off): fills sums, hits and the gradient buffers.
+
+    weight_mm (V, H) is the projection in the dtype the matrix products run in (autocast's, when
+    the caller had it on); logits, softmaxes and gradients are in ``compute``.
+    """
+    groups, n = states.shape[0], states.shape[1]
+    device, mm = states.device, weight_mm.dtype
+    vocab = weight_mm.shape[0]
+    buffers = _Buffers(min(chunk_size, n), device)
+    in_columns = None  # (V_teacher,) bool: the teacher ids that have a student column
+    for start in range(0, n, chunk_size):
+        end = min(n, start + chunk_size)
+        c = end - start
+        rows = torch.arange(c, device=device)
+        keep = row_mask[:, start:end]  # (G, c)
+        teacher = teacher_logp = None
+        if teacher_states is not None:
+            out = None
+            if _plain_linear(teacher_head):
+                out = buffers.get("teacher", c, teacher_head.weight.shape[0], compute)
+            teacher_logits = _teacher_logits(
+                teacher_head, teacher_states[start:end], out, buffers
+            ).to(compute)  # (c, V_teacher)
+            if teacher_columns is not None:
+                if in_columns is None:
+                    in_columns = torch.zeros(teacher_logits.shape[-1], dtype=torch.bool,
+                                             device=device)
+                    in_columns[teacher_columns] = True
+                keep = keep & in_columns[teacher_logits.argmax(-1)]
+                columns = buffers.get("columns", c, vocab, compute)
+                teacher_logits = torch.index_select(
+                    teacher_logits, -1, teacher_columns, out=columns
+                )  # (c, V)
+            teacher_guess = teacher_logits.argmax(-1)  # (c,)
+            teacher_logp = torch.log_softmax(
+                teacher_logits, -1, out=buffers.get("teacher_logp", c, vocab, compute)
+            )  # (c, V)
+            teacher = torch.exp(
+                teacher_logp, out=buffers.get("teacher_p", c, vocab, compute)
+            )  # (c, V)
+            entropy = -_row_dot(teacher, teacher_logp)  # (c,); finite logits: no log 0
+            del teacher_logits
+        label = labels[start:end] if labels is not None else None
+        for g in range(groups):
+            kept = keep[g]  # (c,)
+            sums[g, 4] += kept.sum()
+            # each row's weight in the loss; it scales the (c, H) factors of the gradient
+            # products below instead of the (c, V) gradient itself
+            coef = torch.where(kept, group_weights[g], 0.0)[:, None]  # (c, 1)
+            x = states[g, start:end].to(mm)  # (c, H)
+            logits = buffers.get("logits", c, vocab, compute)
+            logits = _project(x, weight_mm, logits, buffers)  # (c, V)
+            guess = logits.argmax(-1)  # (c,)
+            if label is not None and topk:
+                top = logits.topk(topk, dim=-1).indices  # (c, topk)
+                hits[g] += ((top == label[:, None]) & kept[:, None]).sum(0)
+                del top
+            logp = buffers.get("logp", c, vocab, compute)
+            logp = torch.log_softmax(logits, -1, out=logp)  # (c, V)
+            # d loss / d logits of a row, before coef, in the logits' buffer:
+            # (hard + soft) * p - hard * onehot(label) - soft * teacher
+            grad = torch.exp(logp, out=logits)  # (c, V)
+            if hard_weight + soft_weight != 1.0:
+                grad.mul_(hard_weight + soft_weight)
+            if label is not None:
+                hard = -logp[rows, label]  # (c,)
+                sums[g, 0] += torch.where(kept, hard, 0.0).sum().double()
+                grad[rows, label] -= hard_weight
+            if teacher is not None:
+                soft = -_row_dot(teacher, logp)  # (c,)
+                sums[g, 1] += torch.where(kept, soft, 0.0).sum().double()
+                sums[g, 2] += torch.where(kept, entropy, 0.0).sum().double()
+                sums[g, 3] += (kept & (guess == teacher_guess)).sum()
+                if soft_weight:
+                    grad.sub_(teacher, alpha=soft_weight)
+            if grad_states is not None:  # (c, H)
+                grad_states[g, start:end] = (grad.to(mm) @ weight_mm).to(compute) * coef
+            if grad_weight is not None:
+                scaled = x.to(compute) * coef  # (c, H)
+                if mm == compute:  # in place: no (V, H) temporary
+                    grad_weight.addmm_(grad.t(), scaled)
+                else:  # the product in the low precision, a (V, H) temporary of that dtype
+                    grad_weight += grad.t().to(mm) @ scaled.to(mm)
 
 
 class _ProjectedCrossEntropy(torch.autograd.Function):
@@ -76,8 +206,7 @@ class _ProjectedCrossEntropy(torch.autograd.Function):
                 row_mask, group_weights, hard_weight, soft_weight, chunk_size, topk, want_states,
                 want_weight):
         compute = torch.float64 if weight.dtype == torch.float64 else torch.float32
-        groups, n = states.shape[0], states.shape[1]
-        device = states.device
+        groups, device = states.shape[0], states.device
         grad_states = torch.zeros(states.shape, dtype=compute, device=device) \
             if want_states else None  # (G, n, H)
         grad_weight = torch.zeros(weight.shape, dtype=compute, device=weight.device) \
@@ -86,60 +215,15 @@ class _ProjectedCrossEntropy(torch.autograd.Function):
         sums = torch.zeros(groups, 5, dtype=torch.float64, device=device)
         hits = torch.zeros(groups, topk, dtype=torch.int64, device=device)
         group_weights = group_weights.to(device=device, dtype=compute)
-        in_columns = None  # (V_teacher,) bool: the teacher ids that have a student column
-        for start in range(0, n, chunk_size):
-            end = min(n, start + chunk_size)
-            rows = torch.arange(end - start, device=device)
-            keep = row_mask[:, start:end]  # (G, c)
-            teacher = teacher_logp = None
-            if teacher_states is not None:
-                teacher_logits = _teacher_logits(teacher_head, teacher_states[start:end])
-                teacher_logits = teacher_logits.to(compute)  # (c, V_teacher)
-                if teacher_columns is not None:
-                    if in_columns is None:
-                        in_columns = torch.zeros(teacher_logits.shape[-1], dtype=torch.bool,
-                                                 device=device)
-                        in_columns[teacher_columns] = True
-                    keep = keep & in_columns[teacher_logits.argmax(-1)]
-                    teacher_logits = teacher_logits.index_select(-1, teacher_columns)  # (c, V)
-                teacher_logp = teacher_logits.log_softmax(-1)  # (c, V)
-                del teacher_logits
-                teacher = teacher_logp.exp()
-                teacher_guess = teacher_logp.argmax(-1)  # (c,)
-                # 0 * log 0 adds nothing: tokens the teacher rules out
-                entropy = -torch.where(teacher > 0, teacher * teacher_logp, 0.0).sum(-1)  # (c,)
-            label = labels[start:end] if labels is not None else None
-            for g in range(groups):
-                kept = keep[g]  # (c,)
-                sums[g, 4] += kept.sum()
-                x = states[g, start:end].to(weight.dtype)  # (c, H)
-                logits = F.linear(x, weight).to(compute)  # (c, V)
-                guess = logits.argmax(-1)  # (c,)
-                if label is not None and topk:
-                    top = logits.topk(topk, dim=-1).indices  # (c, topk)
-                    hits[g] += ((top == label[:, None]) & kept[:, None]).sum(0)
-                    del top
-                logp = logits.log_softmax(-1)  # (c, V)
-                del logits
-                coef = torch.where(kept, group_weights[g], 0.0)  # (c,) row weight in the loss
-                grad = logp.exp().mul_((hard_weight + soft_weight) * coef[:, None])  # (c, V)
-                if label is not None:
-                    hard = -logp[rows, label]  # (c,)
-                    sums[g, 0] += torch.where(kept, hard, 0.0).sum().double()
-                    grad[rows, label] -= hard_weight * coef
-                if teacher is not None:
-                    soft = -torch.linalg.vecdot(teacher, logp)  # (c,)
-                    sums[g, 1] += torch.where(kept, soft, 0.0).sum().double()
-                    sums[g, 2] += torch.where(kept, entropy, 0.0).sum().double()
-                    sums[g, 3] += (kept & (guess == teacher_guess)).sum()
-                    grad.addcmul_(teacher, coef[:, None], value=-soft_weight)
-                del logp
-                if want_states:
-                    grad_states[g, start:end] = grad.to(weight.dtype) @ weight
-                if want_weight:
-                    grad_weight += (grad.t() @ x.to(compute)).to(compute)
-                del grad
-            del teacher, teacher_logp
+        # the projections run in autocast's dtype when it is on (the weight cast once here, as
+        # autocast's own cache would); everything else runs outside it, in ``compute``
+        mm = weight.dtype
+        if torch.is_autocast_enabled(device.type):
+            mm = torch.get_autocast_dtype(device.type)
+        with torch.autocast(device.type, enabled=False):
+            _chunk_loop(states, weight.detach().to(mm), labels, teacher_states, teacher_head,
+                        teacher_columns, row_mask, group_weights, hard_weight, soft_weight,
+                        chunk_size, topk, grad_states, grad_weight, sums, hits, compute)
         per_group = hard_weight * sums[:, 0] + soft_weight * sums[:, 1]  # (G,)
         loss = (group_weights.double() * per_group).sum().to(compute)
         ctx.save_for_backward(grad_states, grad_weight)
