@@ -150,7 +150,10 @@ class EagleConfig:
     head_dim: int
     intermediate_size: int
     target_num_layers: int  # L: index L of the hidden states is the target's final-normed feature
-    # the target's transformers config as a dict, shapes above applied, one hidden layer
+    # the head's one-layer Llama config (LlamaConfig.to_dict()): the shapes above, the target's
+    # activation, norm epsilon, rope settings and context length; ``architectures`` names the
+    # target's (the verifier of exports). Artifacts from before heads were Llama layers hold the
+    # target's own config here, which loads for a Llama target.
     layer_config: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -218,7 +221,7 @@ class EagleConfig:
         heads = int(num_attention_heads or tc.num_attention_heads)
         kv_heads = int(num_key_value_heads or getattr(tc, "num_key_value_heads", None) or heads)
         head_dim = getattr(tc, "head_dim", None) or target.hidden_size // tc.num_attention_heads
-        layer = llama_layer_config(
+        layer = _llama_layer_config(
             tc,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
@@ -286,7 +289,7 @@ def _rope_parameters(tc) -> dict:
     return rope
 
 
-def llama_layer_config(
+def _llama_layer_config(
     tc,
     *,
     num_attention_heads: int,

@@ -169,14 +169,15 @@ def grads_of(head, loss):
 # test-time attention
 
 
+@pytest.mark.parametrize("padded", [True, False])  # a bool mask, or the fused causal path
 @pytest.mark.parametrize("kv_heads", [2, 4])  # grouped-query attention, and plain
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("version", [1, 3])
-def test_ttt_steps_equal_the_dense_mask_implementation(version, dtype, kv_heads):
+def test_ttt_steps_equal_the_dense_mask_implementation(version, dtype, kv_heads, padded):
     """Outputs of every step and the gradients through all of them, right-padded rows."""
     target = make_target(dtype=dtype, kv_heads=kv_heads)
     head = make_head(target, version)
-    batch = with_features(target, head, make_batch(target))
+    batch = with_features(target, head, make_batch(target, (23, 17, 9) if padded else (19, 19)))
     steps = 4
     ids = batch["input_ids"]
     n = ids.shape[1] - 1
@@ -185,7 +186,7 @@ def test_ttt_steps_equal_the_dense_mask_implementation(version, dtype, kv_heads)
     past, ours = [], []
     for i in range(steps):
         hidden, kv = head.ttt_step(shift_left(ids[:, 1:], i), hidden, torch.arange(n)[None] + i,
-                                   past, valid)
+                                   past, valid if padded else None)
         past.append(kv)
         ours.append(hidden)
     theirs = [out for out, _ in reference_steps(head, batch, steps)]
