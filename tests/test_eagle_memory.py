@@ -6,27 +6,29 @@ is small, so what a step allocates is dominated by its vocabulary projections. U
 training-time-test step (the target's distribution, each step's logits, log-softmax and shifted
 target); chunked, the step must stay under the bound derived below.
 
-How it is measured: each step runs in a fresh Python process (no memory freed by earlier tests
-for the step to reuse unseen). After the target, head, batch and features exist, the process
-resets its peak resident set size (``echo 5 > /proc/self/clear_refs`` resets VmHWM to the
-current RSS, Linux >= 4.0), runs forward + backward of the loss, and reports VmHWM minus the RSS
-before the step. Tensors of the sizes that matter here (> 32 MB) are always mmapped by glibc, so
-they show in RSS while alive and leave it when freed: the figure is an upper bound on the extra
-memory the step allocated at any one time (allocator slack only adds to it).
+How it is measured: the steps run in a fresh Python process (no memory freed by earlier tests
+for a step to reuse unseen), with ``MALLOC_MMAP_THRESHOLD_=65536`` so that glibc serves every
+allocation over 64 kB by its own mmap and returns it when freed (by default it raises that
+threshold up to 32 MB and keeps freed blocks below it, which RSS would still count). Once the
+target, head, batch and features exist, the process resets its peak resident set size
+(``5`` into ``/proc/self/clear_refs`` sets VmHWM to the current RSS, Linux >= 4.0), runs forward
++ backward of the loss, and reports VmHWM minus the RSS before the step: an upper bound on the
+extra memory the step held at any one time.
 
-The bound (float32, V = 128256, h = 64, T = 2048, chunk c = 64, 3 steps):
+The bound (float32, V = 128256, h = 64, T = 2048, chunk c = 64, 3 steps; MiB = 2^20 B):
 
-* the chunked loss's temporaries, at most 8 (c, V) float32 buffers at a time (the teacher's
-  logits / log-probs / probs and an entropy product; the student's logits, log-probs, gradient
-  and one product): 8 x 64 x 128256 x 4 B = 263 MB;
-* weight gradients of (V, h) float32, 33 MB each: EAGLE-3's buffer of ``lm_head``'s gradient, the
-  gradient autograd hands back and the parameter's ``.grad``: 3 x 33 MB = 99 MB (EAGLE-1 projects
-  with the frozen target LM head: none);
-* the head's activations and masks: per step about 30 (T, h) float32 tensors (0.5 MB each) and
-  a (T, T + i) bool mask (4 MB): under 64 MB for 3 steps.
+* the chunked loss's (c, V) float32 buffers, reused by every chunk: at most 8 (the teacher's
+  logits, log-probs and probs, the student's logits and log-probs, their gradient, a spare):
+  8 x 64 x 128256 x 4 B = 250.5 MiB;
+* weight gradients of (V, h) float32, 31.3 MiB each: EAGLE-3's buffer of ``lm_head``'s
+  gradient, the gradient autograd hands back and the parameter's ``.grad``: 94 MiB (EAGLE-1
+  projects with the frozen target LM head: none);
+* the head's activations and masks: per step about 30 (T, h) float32 tensors (0.5 MiB each) and
+  a (T, T + i) bool mask (4 MiB): under 64 MiB for 3 steps.
 
-Total 426 MB for EAGLE-3 and 327 MB for EAGLE-1, against 1.05 GB for a single unchunked
-(1, T, V) float32 tensor.
+Total 408.5 MiB for EAGLE-3 and 314.5 MiB for EAGLE-1, against 1002 MiB (1.05 GB) for a single
+unchunked (1, T, V) float32 tensor. (Measured when written: EAGLE-3 281 MiB, EAGLE-1 189 MiB;
+the previous code peaked at 2.6 GB and 1.3 GB already at T = 512.)
 """
 
 from __future__ import annotations
