@@ -27,7 +27,7 @@ The bound (float32, V = 128256, h = 64, T = 2048, chunk c = 64, 3 steps; MiB = 2
   a (T, T + i) bool mask (4 MiB): under 64 MiB for 3 steps.
 
 Total 408.5 MiB for EAGLE-3 and 314.5 MiB for EAGLE-1, against 1002 MiB (1.05 GB) for a single
-unchunked (1, T, V) float32 tensor. (Measured when written: EAGLE-3 281 MiB, EAGLE-1 189 MiB;
+unchunked (1, T, V) float32 tensor. (Measured when written: EAGLE-3 281 MiB, EAGLE-1 183 MiB;
 the previous code peaked at 2.6 GB and 1.3 GB already at T = 512.)
 """
 
