@@ -1,10 +1,16 @@
 """EAGLE heads: one decoder layer that autoregresses in the target's feature space.
 
+The layer is always a Llama decoder layer (transformers' ``LlamaDecoderLayer``, q/k/v/o,
+gate/up/down, RMS norms), whatever the target's architecture, shaped like one of the target's
+layers (hidden size, heads, kv heads, head_dim, intermediate size, norm epsilon) with the target's
+rope settings, so that its rotary tables equal the target's and every serving engine's
+Llama-style EAGLE drafter can load it (as the peers train it: EAGLE, SpecForge, speculators).
+
 EAGLE-1 (``version=1``)
-    ``fc`` maps cat(token embedding, feature) (2h) to h, then one decoder layer of the target's own
-    class without its input norm; the target's frozen LM head turns the output into logits. The
-    output is also the next feature: it is trained to regress the target's next final-normed
-    hidden state (SmoothL1) plus 0.1 x soft cross-entropy against the target's distribution.
+    ``fc`` maps cat(token embedding, feature) (2h) to h, then the decoder layer without its input
+    norm; the target's frozen LM head turns the output into logits. The output is also the next
+    feature: it is trained to regress the target's next final-normed hidden state (SmoothL1) plus
+    0.1 x soft cross-entropy against the target's distribution.
 EAGLE-3 (``version=3``)
     ``fc`` fuses three target hidden states (3h -> h). The layer's attention reads
     cat(input_layernorm(embedding), hidden_norm(feature)) (2h, so q/k/v take 2h inputs); its
@@ -33,16 +39,30 @@ target feature f_t (which predicted token x_{t+1}) and the embedding of x_{t+1};
 predict x_{t+2}. At training-time-test step i the entry of anchor t sits at position t + i,
 reads the embedding of x_{t+1+i} and the head's own step i-1 feature, and predicts x_{t+2+i}.
 
-Training API (what ``train/eagle.py`` calls)::
+Training-time test without a dense mask: at step i, anchor t attends to the step-0 entries
+0..t (causal, padding excluded) and to its own entries of steps 1..i only -- the diagonal of each
+earlier step, as in the EAGLE reference. :func:`ttt_attention` computes that joint softmax with
+one fused ``scaled_dot_product_attention`` call over the n step-0 keys plus i "sink" keys whose
+logits are the diagonal dot products (appended to each query as extra coordinates) and whose
+values read out the softmax weight of each diagonal term. Nothing of size (i + 1) x S is built.
+
+Losses: the vocabulary projections (the head's logits and the target's distribution, from
+``last_hidden`` through the frozen LM head) run ``chunk_size`` positions at a time in
+:func:`heads.chunked_loss.projected_cross_entropy`, all training-time-test steps in one call, so
+the extra memory is a few (chunk, vocab) float32 buffers plus one (vocab, hidden) weight gradient,
+whatever T and the number of steps.
+
+Training API (what a trainer calls)::
 
     cfg = EagleConfig.from_target(target, version=3, draft_vocab_size=8192)
     d2t, t2d = build_draft_vocab(count_tokens(ds["input_ids"], target.vocab_size,
                                               ds["loss_mask"]), cfg.draft_vocab_size)
     head = EagleHead(cfg, target, d2t=d2t, t2d=t2d, dtype=torch.float32)
-    step = accelerator.prepare(EagleLoss(head, steps=7))       # one forward per training step
+    step = accelerator.prepare(EagleLoss(head, steps=7, chunk_size=256,
+                                         gradient_checkpointing=False))
     batch = collate_causal_lm(rows, pad_id)                               # right-padded
     batch.update(target_features(target, batch["input_ids"], batch["attention_mask"], cfg))
-    loss, metrics = step(batch)        # = eagle_loss(head, batch); metrics: 0-dim detached tensors
+    loss, metrics = step(batch, reduction="sum")  # sum over scored positions; metrics["tokens"]
     save_eagle(accelerator.unwrap_model(step).head, out / "artifact", target)
     head = load_eagle(out / "artifact", target)
 
@@ -61,9 +81,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import DynamicCache
+from torch.nn.attention.bias import causal_lower_right
+from torch.utils.checkpoint import checkpoint
+from transformers import DynamicCache, LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
 
 from heads.artifact import load_artifact, save_artifact
+from heads.chunked_loss import DEFAULT_CHUNK_SIZE, projected_argmax, projected_cross_entropy
 from heads.target import Target
 
 VERSIONS = (1, 3)
@@ -73,7 +102,8 @@ DEFAULT_NOISE = {1: 0.2, 3: 0.0}
 DEFAULT_TTT_STEPS = 7
 DEFAULT_STEP_DECAY = 0.8
 DEFAULT_CE_WEIGHT = 0.1
-# keys of the target's config dict that describe its checkpoint, not the layer
+REDUCTIONS = ("mean", "sum")
+# keys of a transformers config dict that describe a checkpoint, not the layer
 _CONFIG_NOISE = (
     "_name_or_path",
     "_model_name_or_path",
@@ -120,7 +150,10 @@ class EagleConfig:
     head_dim: int
     intermediate_size: int
     target_num_layers: int  # L: index L of the hidden states is the target's final-normed feature
-    # the target's transformers config as a dict, shapes above applied, one hidden layer
+    # the head's one-layer Llama config (LlamaConfig.to_dict()): the shapes above, the target's
+    # activation, norm epsilon, rope settings and context length; ``architectures`` names the
+    # target's (the verifier of exports). Artifacts from before heads were Llama layers hold the
+    # target's own config here, which loads for a Llama target.
     layer_config: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -188,16 +221,14 @@ class EagleConfig:
         heads = int(num_attention_heads or tc.num_attention_heads)
         kv_heads = int(num_key_value_heads or getattr(tc, "num_key_value_heads", None) or heads)
         head_dim = getattr(tc, "head_dim", None) or target.hidden_size // tc.num_attention_heads
-        layer = {k: v for k, v in tc.to_dict().items() if k not in _CONFIG_NOISE}
-        layer.update(
-            num_hidden_layers=1,
+        layer = _llama_layer_config(
+            tc,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=int(head_dim),
             intermediate_size=int(intermediate_size or tc.intermediate_size),
+            vocab_size=target.vocab_size,
         )
-        if isinstance(layer.get("layer_types"), list):
-            layer["layer_types"] = layer["layer_types"][:1]
         return cls(
             version=version,
             vocab_size=target.vocab_size,
@@ -227,12 +258,74 @@ class EagleConfig:
             raise ValueError(f"EAGLE config is missing {missing}; was it written by draftsmith?")
         return cls(**{k: v for k, v in d.items() if k in names})
 
-    def transformers_config(self, config_class, attn_implementation: str | None = None):
-        """The one-layer transformers config the decoder layer is built from."""
-        cfg = config_class.from_dict(dict(self.layer_config))
+    def transformers_config(self, attn_implementation: str | None = None) -> LlamaConfig:
+        """The one-layer Llama config the decoder layer and its rotary tables are built from.
+
+        Artifacts written before heads were always Llama layers hold the target's own config
+        here; a Llama target's loads unchanged, another architecture's is refused.
+        """
+        model_type = self.layer_config.get("model_type", "llama")
+        if model_type != "llama":
+            raise ValueError(
+                f"this EAGLE config describes a {model_type!r} decoder layer (an artifact written "
+                "when heads copied the target's layer class); EAGLE heads are Llama layers now: "
+                "retrain the head"
+            )
+        cfg = LlamaConfig.from_dict(copy.deepcopy(self.layer_config))
         if attn_implementation is not None:
             cfg._attn_implementation = attn_implementation
         return cfg
+
+
+def _rope_parameters(tc) -> dict:
+    """The target's rope settings as one flat ``rope_parameters`` dict (transformers 5)."""
+    rope = copy.deepcopy(getattr(tc, "rope_parameters", None) or {})
+    if rope and "rope_type" not in rope and all(isinstance(v, dict) for v in rope.values()):
+        # one dict per layer type: the full-attention layers' (the others slide a window)
+        rope = rope.get("full_attention") or next(iter(rope.values()))
+    if "rope_theta" not in rope:
+        rope["rope_theta"] = float(getattr(tc, "rope_theta", None) or 10000.0)
+    rope.setdefault("rope_type", "default")
+    return rope
+
+
+def _llama_layer_config(
+    tc,
+    *,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    head_dim: int,
+    intermediate_size: int,
+    vocab_size: int,
+) -> dict:
+    """The head's one-layer Llama config (as a dict) for a target whose transformers config is tc.
+
+    Shapes as given; the target's hidden size, activation, norm epsilon, rope settings and context
+    length; no biases, never tied. ``architectures`` keeps the target's (what exports name as the
+    verifier).
+    """
+    eps = getattr(tc, "rms_norm_eps", None) or getattr(tc, "layer_norm_eps", None) or 1e-6
+    cfg = LlamaConfig(
+        vocab_size=int(vocab_size),
+        hidden_size=int(tc.hidden_size),
+        intermediate_size=int(intermediate_size),
+        num_hidden_layers=1,
+        num_attention_heads=int(num_attention_heads),
+        num_key_value_heads=int(num_key_value_heads),
+        head_dim=int(head_dim),
+        hidden_act=getattr(tc, "hidden_act", None) or "silu",
+        max_position_embeddings=int(getattr(tc, "max_position_embeddings", None) or 4096),
+        rms_norm_eps=float(eps),
+        rope_parameters=_rope_parameters(tc),
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        bos_token_id=getattr(tc, "bos_token_id", None),
+        eos_token_id=getattr(tc, "eos_token_id", None),
+        pad_token_id=getattr(tc, "pad_token_id", None),
+        architectures=list(getattr(tc, "architectures", None) or []) or None,
+    )
+    return {k: v for k, v in cfg.to_dict().items() if k not in _CONFIG_NOISE}
 
 
 def attention_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -253,11 +346,79 @@ def causal_mask(
     return attention_bias(allowed, dtype)
 
 
-class _FrozenParts:
-    """The target's embedding, LM head and rotary module, used by the head by reference.
+def ttt_attention(
+    query: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    *,
+    scaling: float,
+    key_valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of training-time-test step i = len(keys) - 1, without an (i + 1) S mask.
 
-    Not a Module, so they are never saved with the head, never handed to its optimizer and never
-    wrapped for gradient sync; a deepcopy of the head (e.g. for an EMA) shares them.
+    query (B, H, n, d): step i's queries (rotated); keys / values: (B, H_kv, n, d) per step, step
+    0 first (step i's own included). Query t attends to the step-0 keys 0..t (those with
+    ``key_valid`` (B, n) when given) and to keys[j][t] for j = 1..i, one softmax over all of them.
+    -> (B, H, n, d).
+
+    The diagonal terms ride along in a single fused SDPA call: each query gets i extra
+    coordinates holding its diagonal dot products q_t . keys[j][t]; i sink keys, one-hot in those
+    coordinates, placed before the step-0 keys, then score exactly those logits; their values,
+    one-hot in i extra value coordinates, read out each diagonal term's softmax weight, which then
+    multiplies values[j][t]. Causality is the lower-right-aligned causal mask of (n, i + n):
+    every query sees all sinks and the step-0 keys up to itself.
+    """
+    B, H, n, d = query.shape
+    kv_heads = keys[0].shape[1]
+    groups = H // kv_heads
+    extra = len(keys) - 1
+    gqa = dict(enable_gqa=True) if groups > 1 else {}
+    if key_valid is not None:
+        # (B, n, n): the valid step-0 keys, and each entry's own (a padded query then attends
+        # to something rather than nothing, so its output, unused, stays finite)
+        eye = torch.eye(n, dtype=torch.bool, device=query.device)
+        valid = key_valid.bool()[:, None, :] | eye
+    if extra == 0:
+        if key_valid is None:
+            return F.scaled_dot_product_attention(
+                query, keys[0], values[0], is_causal=True, scale=scaling, **gqa
+            )
+        causal = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
+        allowed = (causal & valid)[:, None]  # (B, 1, n, n)
+        return F.scaled_dot_product_attention(
+            query, keys[0], values[0], attn_mask=allowed, scale=scaling, **gqa
+        )
+    # per-position products, one step at a time: autograd keeps views of q and k, not i copies
+    grouped = query.reshape(B, kv_heads, groups, n, d)
+    diag_logits = torch.stack(
+        [(grouped * key[:, :, None]).sum(-1) for key in keys[1:]], dim=-1
+    )  # (B, H_kv, G, n, i)
+    width = -(-(d + extra) // 8) * 8  # fused kernels want head dims in multiples of 8
+    pad = width - d - extra
+    q = torch.cat(
+        [query, diag_logits.reshape(B, H, n, extra), query.new_zeros(B, H, n, pad)], dim=-1
+    )  # (B, H, n, width)
+    sinks = torch.eye(extra, width - d, dtype=query.dtype, device=query.device)  # (i, width - d)
+    sinks = F.pad(sinks, (d, 0)).expand(B, kv_heads, extra, width)  # (B, H_kv, i, width)
+    k = torch.cat([sinks, F.pad(keys[0], (0, width - d))], dim=2)  # (B, H_kv, i + n, width)
+    v = torch.cat([sinks, F.pad(values[0], (0, width - d))], dim=2)  # (B, H_kv, i + n, width)
+    if key_valid is None:
+        mask = causal_lower_right(n, extra + n)
+    else:
+        causal = torch.ones(n, extra + n, dtype=torch.bool, device=query.device).tril(extra)
+        mask = (causal & F.pad(valid, (extra, 0), value=True))[:, None]  # (B, 1, n, i + n)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, **gqa)
+    weights = out[..., d : d + extra].reshape(B, kv_heads, groups, n, extra)  # diagonal softmax
+    diag = sum(weights[..., j, None] * value[:, :, None] for j, value in enumerate(values[1:]))
+    return out[..., :d] + diag.reshape(B, H, n, d)  # (B, H, n, d)
+
+
+class _FrozenParts:
+    """The target's embedding and LM head, and the head's rotary tables, used by reference.
+
+    Not a Module, so they are never saved with the head, never handed to its optimizer, never
+    wrapped for gradient sync and never cast with the head (the rotary tables stay float32, as
+    in the target); a deepcopy of the head (e.g. for an EMA) shares them.
     """
 
     def __init__(self, embed: nn.Module, lm_head: nn.Module, rotary: nn.Module):
@@ -268,12 +429,16 @@ class _FrozenParts:
 
 
 class EagleHead(nn.Module):
-    """An EAGLE-1 or EAGLE-3 head built from the target's own transformers classes.
+    """An EAGLE-1 or EAGLE-3 head: a Llama decoder layer on top of the target.
 
     ``EagleHead(config, target, d2t=None, t2d=None, dtype=None)``: EAGLE-3 with a reduced draft
     vocabulary needs the ``d2t``/``t2d`` maps of :func:`build_draft_vocab`; its ``lm_head`` rows and
     ``norm`` start from the target's. ``dtype`` defaults to the target's (use float32 master
     weights for mixed-precision training).
+
+    Inference: ``head(input_ids, hidden, position_ids, attention_mask, cache)`` (a KV cache from
+    :meth:`new_cache`, float masks for trees). Training: :meth:`ttt_step` per training-time-test
+    step, then :meth:`logit_states` / :attr:`logit_weight` for the chunked loss.
     """
 
     def __init__(
@@ -289,15 +454,9 @@ class EagleHead(nn.Module):
         self.config = config
         h = config.hidden_size
         self.layer_config = config.transformers_config(
-            type(target.config), getattr(target.config, "_attn_implementation", None)
+            getattr(target.config, "_attn_implementation", None)
         )
-        layer = type(target.layers[0])(self.layer_config, layer_idx=0)
-        for part in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
-            if not hasattr(layer, part):
-                raise ValueError(
-                    f"{type(layer).__name__} has no {part!r}: EAGLE heads need a pre-norm decoder "
-                    "layer (self_attn, mlp, input_layernorm, post_attention_layernorm)"
-                )
+        layer = LlamaDecoderLayer(self.layer_config, layer_idx=0)
         if config.version == 1:
             self.fc = nn.Linear(2 * h, h, bias=False)
             # EAGLE-1 feeds fc's output to attention directly (the reference code drops this norm)
@@ -311,23 +470,21 @@ class EagleHead(nn.Module):
                 setattr(attn, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
             layer.hidden_norm = copy.deepcopy(layer.input_layernorm)
             self.midlayer = layer
-            self.norm = copy.deepcopy(target.norm)
+            self.norm = LlamaRMSNorm(h, eps=self.layer_config.rms_norm_eps)
             self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
             d2t, t2d = self._vocab_maps(config, d2t, t2d)
             self.register_buffer("d2t", d2t.to(torch.int64).to(target.device))
             self.register_buffer("t2d", t2d.to(torch.bool).to(target.device))
-        rotary = getattr(target.decoder, "rotary_emb", None)
-        if rotary is None:
-            raise ValueError(
-                f"{type(target.decoder).__name__} has no rotary_emb; EAGLE heads need "
-                "a rotary-position decoder"
-            )
-        # The head keeps the target's head_dim and rope settings, so the target's own rotary
-        # module gives it the exact same tables.
+        # The head's own rotary tables, from the target's rope settings and head_dim: the same
+        # cos/sin as the target's for every position (tested for Llama, Qwen2, Qwen3, Mistral).
+        rotary = LlamaRotaryEmbedding(self.layer_config).to(target.device)
         self.frozen = _FrozenParts(embed=target.embed, lm_head=target.lm_head, rotary=rotary)
         self.to(device=target.device, dtype=dtype or target.dtype)
         if config.version == 3:
-            with torch.no_grad():  # the draft vocabulary's rows of the target's LM head
+            with torch.no_grad():  # the target's final norm and its draft vocabulary's LM rows
+                target_norm = getattr(target.norm, "weight", None)
+                if target_norm is not None and target_norm.shape == self.norm.weight.shape:
+                    self.norm.weight.copy_(target_norm)
                 kept = torch.arange(config.draft_vocab_size, device=target.device) + self.d2t
                 self.lm_head.weight.copy_(target.lm_head.weight[kept])
         for p in self.parameters():
@@ -406,6 +563,34 @@ class EagleHead(nn.Module):
         """Draft-vocabulary ids -> target ids (identity for EAGLE-1)."""
         return draft_ids if self.version == 1 else draft_ids + self.d2t[draft_ids]
 
+    @property
+    def decoder_layer(self) -> LlamaDecoderLayer:
+        """The head's one decoder layer (``layers[0]`` in EAGLE-1, ``midlayer`` in EAGLE-3)."""
+        return self.layers[0] if self.version == 1 else self.midlayer
+
+    @property
+    def logit_weight(self) -> torch.Tensor:
+        """(draft_vocab, h): logits = logit_states(out) @ logit_weight.T (EAGLE-1: the target's)."""
+        return self.frozen.lm_head.weight if self.version == 1 else self.lm_head.weight
+
+    def logit_states(self, out: torch.Tensor) -> torch.Tensor:
+        """The head's output (..., h) -> what its vocabulary projection reads (EAGLE-3: normed)."""
+        return out if self.version == 1 else self.norm(out)
+
+    def _decoder(self, embeds: torch.Tensor, hidden: torch.Tensor, attend) -> torch.Tensor:
+        """The layer around its attention: ``attend`` maps the attention input to its output."""
+        layer = self.decoder_layer
+        if self.version == 1:
+            x = self.fc(torch.cat([embeds, hidden], dim=-1))  # (B, S, h)
+            residual, attn_in = x, layer.input_layernorm(x)  # no input norm in EAGLE-1
+        else:
+            attn_in = torch.cat(
+                [layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1
+            )  # (B, S, 2h)
+            residual = hidden  # the residual stream starts from the un-normed feature
+        out = residual + attend(attn_in)
+        return out + layer.mlp(layer.post_attention_layernorm(out))
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -426,31 +611,82 @@ class EagleHead(nn.Module):
         if attention_mask is None:
             past = cache.get_seq_length() if cache is not None else 0
             attention_mask = causal_mask(input_ids.shape[1], past, self.dtype, self.device)
-        embeds = self.embed(input_ids)
         position_embeddings = self.frozen.rotary(hidden, position_ids)
-        attn_kwargs = dict(
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=cache is not None,
-            position_embeddings=position_embeddings,
-        )
-        if self.version == 1:
-            out = self.layers[0](self.fc(torch.cat([embeds, hidden], dim=-1)), **attn_kwargs)
-            out = out[0] if isinstance(out, tuple) else out
-            kept = out[:, -logits_to_keep:] if logits_to_keep else out
-            lm_head = self.frozen.lm_head
-            logits = lm_head(kept.to(lm_head.weight.dtype))
-            return out, logits
-        layer = self.midlayer
-        x = torch.cat(
-            [layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1
-        )  # (B, S, 2h)
-        attn_out = layer.self_attn(hidden_states=x, **attn_kwargs)[0]
-        out = hidden + attn_out  # the residual stream starts from the un-normed feature
-        out = out + layer.mlp(layer.post_attention_layernorm(out))
+
+        def attend(x):
+            return self.decoder_layer.self_attn(
+                hidden_states=x,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=cache is not None,
+                position_embeddings=position_embeddings,
+            )[0]
+
+        out = self._decoder(self.embed(input_ids), hidden, attend)
         kept = out[:, -logits_to_keep:] if logits_to_keep else out
+        if self.version == 1:
+            lm_head = self.frozen.lm_head
+            return out, lm_head(kept.to(lm_head.weight.dtype))
         return out, self.lm_head(self.norm(kept))
+
+    def ttt_step(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        past: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+        key_valid: torch.Tensor | None = None,
+        *,
+        gradient_checkpointing: bool = False,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """One training-time-test step over all n anchors at once (no logits).
+
+        input_ids (B, n) the tokens of this step; hidden (B, n, h) the fused target features
+        (step 0) or the head's previous output; position_ids (1 or B, n) = anchor + step; past:
+        the (keys, values) this method returned at the earlier steps, step 0 first, each
+        (B, kv_heads, n, head_dim); key_valid (B, n) bool: the anchors that are real tokens
+        (padding excluded from the step-0 keys), None for no padding. Step 0 attends causally;
+        step i > 0 to the step-0 keys up to each anchor plus the anchor's own entries of steps
+        1..i (:func:`ttt_attention`).
+
+        ``gradient_checkpointing``: keep only the step's inputs and recompute the layer in
+        backward (``torch.utils.checkpoint``, non-reentrant).
+        Returns (next feature (B, n, h), this step's (keys, values)).
+        """
+        hidden = hidden.to(self.dtype)
+        embeds = self.embed(input_ids)  # no gradient: the target's frozen embedding
+        cos, sin = self.frozen.rotary(hidden, position_ids)
+        flat = [t for kv in past for t in kv]
+        if gradient_checkpointing and torch.is_grad_enabled():
+            return checkpoint(
+                self._ttt_layer, embeds, hidden, cos, sin, key_valid, *flat, use_reentrant=False
+            )
+        return self._ttt_layer(embeds, hidden, cos, sin, key_valid, *flat)
+
+    def _ttt_layer(self, embeds, hidden, cos, sin, key_valid, *past_flat):
+        attn = self.decoder_layer.self_attn
+        step_kv = []
+
+        def attend(x):  # (B, n, 2h or h) -> (B, n, h)
+            B, n, _ = x.shape
+            shape = (B, n, -1, attn.head_dim)
+            q = attn.q_proj(x).view(shape).transpose(1, 2)  # (B, H, n, d)
+            k = attn.k_proj(x).view(shape).transpose(1, 2)  # (B, H_kv, n, d)
+            v = attn.v_proj(x).view(shape).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            step_kv.extend((k, v))
+            out = ttt_attention(
+                q,
+                [*past_flat[0::2], k],
+                [*past_flat[1::2], v],
+                scaling=attn.scaling,
+                key_valid=key_valid,
+            )  # (B, H, n, d)
+            return attn.o_proj(out.transpose(1, 2).reshape(B, n, -1))
+
+        out = self._decoder(embeds, hidden, attend)
+        return out, (step_kv[0], step_kv[1])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -564,14 +800,29 @@ def _shift_left(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, by:], pad], dim=1)
 
 
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp_min(1)
-
-
 def _anchor_mask(loss_mask: torch.Tensor, step: int) -> torch.Tensor:
     """(B, S-1): anchor t at step ``step`` predicts token t + 2 + step; weight loss_mask there."""
     return _shift_left(loss_mask[:, 1:], 1 + step).bool()
+
+
+def _check_reduction(reduction: str) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+
+def _key_valid(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """(B, S) attention mask -> (B, S-1) bool over the anchors (entry t reads position t + 1)."""
+    return None if attention_mask is None else attention_mask[:, 1:].bool()
+
+
+def _plain_lm_head(head: EagleHead) -> nn.Module:
+    lm_head = head.frozen.lm_head
+    if getattr(lm_head, "bias", None) is not None:
+        raise ValueError(
+            "the target's LM head has a bias; the chunked EAGLE losses project with its weight "
+            "alone and would drop it"
+        )
+    return lm_head
 
 
 def eagle1_loss(
@@ -583,61 +834,61 @@ def eagle1_loss(
     *,
     feature_noise: float = DEFAULT_NOISE[1],
     ce_weight: float = DEFAULT_CE_WEIGHT,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    gradient_checkpointing: bool = False,
+    reduction: str = "mean",
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """EAGLE-1: SmoothL1(next feature) + ce_weight x soft CE against the target's distribution.
 
     input_ids, loss_mask, attention_mask (B, S), right-padded; features (B, S, h) = the target's
-    final-normed hidden states. Returns (loss, metrics) with metrics 0-dim detached tensors:
-    loss, feature_loss, ce_loss, acc_0 (draft argmax == target argmax), tokens.
+    final-normed hidden states. The loss is per scored position (anchors t with loss_mask[t + 2])
+    feature_loss + ce_weight * ce: averaged (``reduction="mean"``) or summed (``"sum"``). Returns
+    (loss, metrics) with metrics 0-dim detached tensors: loss (the returned value), feature_loss,
+    ce_loss, acc_0 (draft argmax == target argmax) as means per scored position, and tokens (the
+    number of scored positions).
     """
     if head.version != 1:
         raise ValueError("eagle1_loss needs an EAGLE-1 head; use eagle3_loss")
+    _check_reduction(reduction)
     S = input_ids.shape[1]
     if S < 3:
         raise ValueError(f"sequences need at least 3 tokens to train EAGLE, got {S}")
-    valid_keys = None if attention_mask is None else attention_mask[:, 1:]
-    mask = causal_mask(S - 1, 0, head.dtype, head.device, valid_keys)
+    lm_head = _plain_lm_head(head)
     inputs = _with_noise(features[:, :-1], feature_noise, generator)
     positions = torch.arange(S - 1, device=input_ids.device)[None]
-    predicted, logits = head(input_ids[:, 1:], head.fuse(inputs), positions, mask)  # (B, S-1, ·)
-    wanted = features[:, 1:].to(predicted.dtype)  # f_{t+1}
-    with torch.no_grad():
-        target_logp = F.log_softmax(_target_logits(head, features[:, 1:]).float(), dim=-1)
-    weight = _anchor_mask(loss_mask, 0)
-    feature_loss = _masked_mean(
-        F.smooth_l1_loss(predicted, wanted, reduction="none").mean(-1), weight
+    predicted, _ = head.ttt_step(
+        input_ids[:, 1:],
+        head.fuse(inputs),
+        positions,
+        key_valid=_key_valid(attention_mask),
+        gradient_checkpointing=gradient_checkpointing,
+    )  # (B, S-1, h)
+    b, t = _anchor_mask(loss_mask, 0).nonzero(as_tuple=True)  # the scored anchors, (N,) each
+    rows = predicted[b, t]  # (N, h)
+    wanted = features[:, 1:][b, t]  # (N, h) = f_{t+1}, also the target's distribution's state
+    feature_sum = F.smooth_l1_loss(rows, wanted.to(rows.dtype), reduction="none").mean(-1).sum()
+    count = max(int(b.numel()), 1)
+    scale = 1.0 / count if reduction == "mean" else 1.0
+    ce = projected_cross_entropy(
+        head.logit_states(rows),
+        head.logit_weight,
+        teacher_states=wanted,
+        teacher_head=lm_head,
+        hard_weight=0.0,
+        soft_weight=ce_weight,
+        group_weights=[scale],
+        chunk_size=chunk_size,
     )
-    logp = F.log_softmax(logits.float(), dim=-1)
-    ce = _masked_mean(-(target_logp.exp() * logp).sum(-1), weight)
-    loss = feature_loss + ce_weight * ce
-    acc = _masked_mean((logits.argmax(-1) == target_logp.argmax(-1)).float(), weight)
+    loss = scale * feature_sum + ce.loss
     metrics = {
         "loss": loss.detach(),
-        "feature_loss": feature_loss.detach(),
-        "ce_loss": ce.detach(),
-        "acc_0": acc.detach(),
-        "tokens": weight.sum().detach(),
+        "feature_loss": feature_sum.detach() / count,
+        "ce_loss": (ce.soft_ce / count).to(loss.dtype),
+        "acc_0": (ce.agree / count).to(loss.dtype),
+        "tokens": ce.scored.to(torch.int64),
     }
     return loss, metrics
-
-
-def ttt_mask(
-    S: int, step: int, dtype: torch.dtype, device, key_valid: torch.Tensor | None = None
-) -> torch.Tensor:
-    """(B or 1, 1, S, (step + 1) S) mask of training-time-test step ``step``.
-
-    Anchor t sees the step-0 entries 0..t (real prefix) and its own entries of steps 1..step
-    (its chain), exactly what it sees when drafting step ``step`` at inference.
-    """
-    k = torch.arange(S, device=device)
-    causal = k[None, :] <= k[:, None]  # (S, S)
-    if key_valid is None:
-        first = causal[None, None]
-    else:
-        first = causal[None, None] & key_valid.bool()[:, None, None, :]
-    diag = torch.eye(S, dtype=torch.bool, device=device)[None, None].expand(first.shape[0], 1, S, S)
-    return attention_bias(torch.cat([first, *([diag] * step)], dim=-1), dtype)
 
 
 def eagle3_loss(
@@ -651,6 +902,9 @@ def eagle3_loss(
     steps: int = DEFAULT_TTT_STEPS,
     decay: float = DEFAULT_STEP_DECAY,
     feature_noise: float = DEFAULT_NOISE[3],
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    gradient_checkpointing: bool = False,
+    reduction: str = "mean",
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """EAGLE-3 training-time test: ``steps`` unrolled steps, soft CE weighted decay^i.
@@ -659,53 +913,81 @@ def eagle3_loss(
     states; last_hidden (B, S, h) index L. Step i feeds the head its own step i-1 features (step
     0: the fused target features) with the data's tokens, at positions t + i. The target's
     distribution is restricted to the draft vocabulary and renormalised; positions whose target
-    argmax has no draft id are skipped (as in the reference code). Returns (loss, metrics):
-    loss, ce_loss_i and acc_i per step (draft argmax == target argmax), tokens.
+    argmax has no draft id are skipped (as in the reference code).
+
+    ``reduction="mean"``: sum_i decay^i x (mean soft CE of step i over its scored positions);
+    ``"sum"``: sum_i decay^i x (sum of step i's soft CE over its scored positions), for trainers
+    that divide by a token count of their own (``tokens``). Returns (loss, metrics), metrics 0-dim
+    detached tensors: loss (the returned value), ce_loss_i and acc_i per step (means; acc: draft
+    argmax == target argmax), tokens (the positions step 0 scores).
     """
     if head.version != 3:
         raise ValueError("eagle3_loss needs an EAGLE-3 head; use eagle1_loss")
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    _check_reduction(reduction)
     B, S = input_ids.shape
     if S < 3:
         raise ValueError(f"sequences need at least 3 tokens to train EAGLE, got {S}")
+    lm_head = _plain_lm_head(head)
     n = S - 1  # anchors t = 0..S-2
-    with torch.no_grad():
-        # the target's distribution at positions 1..S-1 (index j <-> position j + 1)
-        full = _target_logits(head, last_hidden[:, 1:])  # (B, n, V)
-        in_vocab = head.t2d[full.argmax(-1)]  # (B, n)
-        kept = torch.arange(head.config.draft_vocab_size, device=full.device) + head.d2t
-        target_logp = F.log_softmax(full[..., kept].float(), dim=-1)  # (B, n, Vd)
-        del full
-    valid_keys = None if attention_mask is None else attention_mask[:, 1:]
-    cache = head.new_cache()
-    hidden = head.fuse(_with_noise(features[:, :-1], feature_noise, generator))
+    key_valid = _key_valid(attention_mask)
+    hidden = head.fuse(_with_noise(features[:, :-1], feature_noise, generator))  # (B, n, h)
     anchors = torch.arange(n, device=input_ids.device)[None]
     tokens = input_ids[:, 1:]
-    loss = torch.zeros((), dtype=torch.float32, device=input_ids.device)
-    metrics: dict[str, torch.Tensor] = {}
-    total = torch.zeros((), device=input_ids.device)
+    past: list[tuple[torch.Tensor, torch.Tensor]] = []
+    outputs = []
     for i in range(steps):
-        mask = ttt_mask(n, i, head.dtype, head.device, valid_keys)
-        hidden, logits = head(_shift_left(tokens, i), hidden, anchors + i, mask, cache)
-        weight = _anchor_mask(loss_mask, i) & _shift_left(in_vocab, i, False)
-        want = _shift_left(target_logp, i)
-        ce = _masked_mean(-(want.exp() * F.log_softmax(logits.float(), dim=-1)).sum(-1), weight)
-        loss = loss + (decay**i) * ce
-        acc = _masked_mean((logits.argmax(-1) == want.argmax(-1)).float(), weight)
-        metrics[f"ce_loss_{i}"] = ce.detach()
-        metrics[f"acc_{i}"] = acc.detach()
-        if i == 0:
-            total = weight.sum().detach()
+        hidden, kv = head.ttt_step(
+            _shift_left(tokens, i),
+            hidden,
+            anchors + i,
+            past,
+            key_valid,
+            gradient_checkpointing=gradient_checkpointing,
+        )
+        past.append(kv)
+        outputs.append(hidden)
+    # Step i's entry at anchor t predicts the token the target predicts at position t + 1 + i,
+    # so every step is scored against the same rows j = t + i of the target's distribution
+    # (j <-> position j + 1, weighted by loss_mask[j + 2]); step i lacks the rows j < i.
+    b, j = _anchor_mask(loss_mask, 0).nonzero(as_tuple=True)  # (N,) each
+    student = torch.stack(
+        [head.logit_states(out[b, (j - i).clamp_min(0)]) for i, out in enumerate(outputs)]
+    )  # (steps, N, h)
+    row_mask = torch.stack([j >= i for i in range(steps)])  # (steps, N)
+    teacher_states = last_hidden[:, 1:][b, j]  # (N, h)
+    columns = None
+    if head.config.draft_vocab_size < head.config.vocab_size:
+        columns = torch.arange(head.config.draft_vocab_size, device=head.device) + head.d2t
+    weights = torch.tensor([decay**i for i in range(steps)], dtype=torch.float64)
+    if reduction == "mean":
+        scored = row_mask
+        if columns is not None:  # which rows survive the skip: the target's argmax, once more
+            scored = scored & head.t2d[projected_argmax(teacher_states, lm_head, chunk_size)]
+        weights = weights.to(head.device) / scored.sum(-1).clamp_min(1)
+    out = projected_cross_entropy(
+        student,
+        head.logit_weight,
+        teacher_states=teacher_states,
+        teacher_head=lm_head,
+        teacher_columns=columns,
+        row_mask=row_mask,
+        group_weights=weights,
+        hard_weight=0.0,
+        soft_weight=1.0,
+        chunk_size=chunk_size,
+    )
+    loss = out.loss
+    count = out.scored.clamp_min(1)
+    ce, acc = (out.soft_ce / count).to(loss.dtype), (out.agree / count).to(loss.dtype)
+    metrics: dict[str, torch.Tensor] = {}
+    for i in range(steps):
+        metrics[f"ce_loss_{i}"] = ce[i]
+        metrics[f"acc_{i}"] = acc[i]
     metrics["loss"] = loss.detach()
-    metrics["tokens"] = total
+    metrics["tokens"] = out.scored[0].to(torch.int64)
     return loss, metrics
-
-
-def _target_logits(head: EagleHead, last_hidden: torch.Tensor) -> torch.Tensor:
-    """The target's logits from its final-normed hidden states, through its frozen LM head."""
-    lm_head = head.frozen.lm_head
-    return lm_head(last_hidden.to(lm_head.weight.dtype))
 
 
 def eagle_loss(
@@ -716,11 +998,16 @@ def eagle_loss(
     decay: float = DEFAULT_STEP_DECAY,
     feature_noise: float | None = None,
     ce_weight: float = DEFAULT_CE_WEIGHT,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    gradient_checkpointing: bool = False,
+    reduction: str = "mean",
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """The head's loss on a batch with input_ids, attention_mask, loss_mask, features, last_hidden.
 
-    ``feature_noise`` None -> the version's default (0.2 for EAGLE-1, 0 for EAGLE-3).
+    ``feature_noise`` None -> the version's default (0.2 for EAGLE-1, 0 for EAGLE-3); ``steps``
+    and ``decay`` are EAGLE-3's, ``ce_weight`` EAGLE-1's. ``reduction``: "mean" (per scored
+    position) or "sum" (over scored positions; ``metrics["tokens"]`` counts step 0's).
     """
     missing = [k for k in ("input_ids", "loss_mask", "features", "last_hidden") if k not in batch]
     if missing:
@@ -729,6 +1016,13 @@ def eagle_loss(
             "feature cache's collate (offline)"
         )
     noise = DEFAULT_NOISE[head.version] if feature_noise is None else feature_noise
+    common = dict(
+        feature_noise=noise,
+        chunk_size=chunk_size,
+        gradient_checkpointing=gradient_checkpointing,
+        reduction=reduction,
+        generator=generator,
+    )
     if head.version == 1:
         return eagle1_loss(
             head,
@@ -736,9 +1030,8 @@ def eagle_loss(
             batch["features"],
             batch["loss_mask"],
             batch.get("attention_mask"),
-            feature_noise=noise,
             ce_weight=ce_weight,
-            generator=generator,
+            **common,
         )
     return eagle3_loss(
         head,
@@ -749,8 +1042,7 @@ def eagle_loss(
         batch.get("attention_mask"),
         steps=steps,
         decay=decay,
-        feature_noise=noise,
-        generator=generator,
+        **common,
     )
 
 
@@ -760,22 +1052,37 @@ class EagleLoss(nn.Module):
     DDP synchronises gradients through the wrapped module's ``forward``, and the loss runs the head
     several times (training-time test) and uses ``fc`` outside the head's own forward; wrapping
     the whole loss makes that one forward per step. The head stays ``.head`` (unwrap to save).
-    ``loss_kwargs`` are :func:`eagle_loss`'s keywords (steps, decay, feature_noise, ce_weight).
+    The keywords are :func:`eagle_loss`'s; ``forward(batch, generator=None, reduction="mean")``.
     """
 
-    def __init__(self, head: EagleHead, **loss_kwargs):
+    def __init__(
+        self,
+        head: EagleHead,
+        *,
+        steps: int = DEFAULT_TTT_STEPS,
+        decay: float = DEFAULT_STEP_DECAY,
+        feature_noise: float | None = None,
+        ce_weight: float = DEFAULT_CE_WEIGHT,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        gradient_checkpointing: bool = False,
+    ):
         super().__init__()
         self.head = head
-        self.loss_kwargs = loss_kwargs
+        self.loss_kwargs = dict(
+            steps=steps,
+            decay=decay,
+            feature_noise=feature_noise,
+            ce_weight=ce_weight,
+            chunk_size=chunk_size,
+            gradient_checkpointing=gradient_checkpointing,
+        )
 
-    def forward(self, batch: dict, generator: torch.Generator | None = None,
-                reduction: str = "mean"):
-        """(loss, metrics); ``reduction="sum"``: the loss summed over the scored positions (the
-        mean times ``metrics["tokens"]``), for a loop that normalises over a whole step."""
-        loss, metrics = eagle_loss(self.head, batch, generator=generator, **self.loss_kwargs)
-        if reduction == "sum":
-            loss = loss * metrics["tokens"]
-        return loss, metrics
+    def forward(
+        self, batch: dict, generator: torch.Generator | None = None, reduction: str = "mean"
+    ) -> tuple[torch.Tensor, dict]:
+        return eagle_loss(
+            self.head, batch, generator=generator, reduction=reduction, **self.loss_kwargs
+        )
 
 
 # ------------------------------------------------------------------------------------------------

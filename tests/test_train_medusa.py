@@ -29,6 +29,7 @@ from distill.losses import forward_kl, next_token_mask
 from eval.engine import SpeculativeEngine
 from eval.medusa import MedusaProposer
 from eval.sampling import SamplingParams
+from heads.chunked_loss import projected_cross_entropy
 from heads.medusa import MedusaHeads, export_medusa, load_medusa, medusa_loss, rank_hits
 from heads.target import load_target, resolve_target, wrap_target
 from train.config import config_from_dict, config_to_dict, parse_config
@@ -38,7 +39,6 @@ from train.medusa import (
     build_objective,
     head_rows,
     main,
-    projected_cross_entropy,
     target_hidden,
 )
 from train.signals import GracefulStop

@@ -62,7 +62,6 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 from torch import nn
@@ -71,6 +70,7 @@ from distill.draft import add_lora, merge_lora
 from distill.losses import next_token_mask
 from eval.medusa import MedusaProposer, build_medusa_tree, expected_tau, plan_medusa_tree
 from heads.artifact import FORMAT_VERSION
+from heads.chunked_loss import projected_cross_entropy
 from heads.medusa import (
     ADAPTED_TARGET_INFO_KEY,
     MedusaConfig,
@@ -213,116 +213,6 @@ class MedusaTrainConfig(TrainConfig):
 
 # ------------------------------------------------------------------------------------------------
 # The loss: vocabulary projections chunk by chunk, the gradient in closed form
-
-
-@dataclass
-class ProjectedLoss:
-    """What :func:`projected_cross_entropy` returns. Sums over the rows, not means."""
-
-    loss: torch.Tensor  # () hard_weight * hard_ce + soft_weight * soft_ce; differentiable
-    hard_ce: torch.Tensor  # () sum of -log p(label)
-    soft_ce: torch.Tensor  # () sum of -sum_v teacher(v) log p(v) (0 without a teacher)
-    teacher_entropy: torch.Tensor  # () sum of the teacher's entropies (soft_ce - this = KL)
-    agree: torch.Tensor  # () rows where argmax equals the teacher's argmax (0 without one)
-    hits: torch.Tensor  # (topk,) int64: rows whose label is the rank-r guess
-    count: int  # rows
-
-
-class _ProjectedCrossEntropy(torch.autograd.Function):
-    """Chunked linear + cross-entropy: only (chunk, vocab) temporaries, gradient in forward."""
-
-    @staticmethod
-    def forward(ctx, states, weight, labels, teacher_states, teacher_head, hard_weight,
-                soft_weight, chunk_size, topk, want_states, want_weight):
-        compute = torch.float64 if weight.dtype == torch.float64 else torch.float32
-        n = states.shape[0]
-        grad_states = torch.zeros(states.shape, dtype=compute, device=states.device) \
-            if want_states else None  # (n, H)
-        grad_weight = torch.zeros(weight.shape, dtype=compute, device=weight.device) \
-            if want_weight else None  # (V, H)
-        sums = torch.zeros(5, dtype=torch.float64, device=states.device)
-        hits = torch.zeros(topk, dtype=torch.int64, device=states.device)
-        for start in range(0, n, chunk_size):
-            end = min(n, start + chunk_size)
-            x = states[start:end].to(weight.dtype)  # (c, H)
-            label = labels[start:end]  # (c,)
-            logits = F.linear(x, weight).to(compute)  # (c, V)
-            rows = torch.arange(end - start, device=logits.device)
-            top = logits.topk(topk, dim=-1).indices  # (c, topk)
-            hits += (top == label.unsqueeze(-1)).sum(0)
-            guess = top[:, 0]
-            logp = logits.log_softmax(-1)
-            del logits, top
-            hard = -logp[rows, label]  # (c,)
-            sums[0] += hard.sum().double()
-            # d loss / d logits = (hard_weight + soft_weight) * p - hard_weight * onehot
-            #                     - soft_weight * teacher
-            grad = logp.exp().mul_(hard_weight + soft_weight)  # (c, V)
-            grad[rows, label] -= hard_weight
-            if teacher_states is not None:
-                teacher_logp = teacher_head(teacher_states[start:end]).to(compute)
-                teacher_logp = teacher_logp.log_softmax(-1)  # (c, V)
-                sums[3] += (teacher_logp.argmax(-1) == guess).sum()
-                teacher = teacher_logp.exp()  # (c, V)
-                sums[1] -= (teacher * logp).sum().double()
-                # the same products as above where the models agree, so a KL of identical
-                # models is exactly 0; tokens the teacher rules out (log 0) add nothing
-                sums[2] -= torch.where(teacher > 0, teacher * teacher_logp, 0.0).sum().double()
-                grad.sub_(teacher, alpha=soft_weight)
-                del teacher, teacher_logp
-            del logp
-            if want_states:
-                grad_states[start:end] = grad.to(weight.dtype) @ weight
-            if want_weight:
-                grad_weight += (grad.t() @ x.to(compute)).to(compute)
-            del grad
-        sums[4] = hard_weight * sums[0] + soft_weight * sums[1]
-        ctx.save_for_backward(grad_states, grad_weight)
-        ctx.dtypes = (states.dtype, weight.dtype)
-        loss = sums[4].to(compute).clone()  # its own tensor: sums is non-differentiable
-        ctx.mark_non_differentiable(sums, hits)
-        return loss, sums, hits
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_sums, _grad_hits):
-        grad_states, grad_weight = ctx.saved_tensors
-        states_dtype, weight_dtype = ctx.dtypes
-        out_states = None if grad_states is None else (grad_states * grad_loss).to(states_dtype)
-        out_weight = None if grad_weight is None else (grad_weight * grad_loss).to(weight_dtype)
-        return out_states, out_weight, None, None, None, None, None, None, None, None, None
-
-
-def projected_cross_entropy(states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                            teacher_states: torch.Tensor | None = None,
-                            teacher_head: nn.Module | None = None, hard_weight: float = 1.0,
-                            soft_weight: float = 0.0, chunk_size: int = 256,
-                            topk: int = TRAIN_TOPK) -> ProjectedLoss:
-    """Cross-entropy of ``states @ weight.T`` against labels and/or a teacher, chunk by chunk.
-
-    states (n, H): the rows to score (gradients flow here); weight (V, H): the projection
-    (trained when it requires grad); labels (n,): the true tokens, always used for ``hits`` and
-    ``hard_ce``; teacher_states (n, H) with ``teacher_head`` (a frozen LM head module): the
-    teacher's distribution softmax(teacher_head(teacher_states)) for the soft term and the KL.
-    The loss is ``hard_weight * sum(-log p[label]) + soft_weight * sum(-teacher . log p)``.
-
-    The (n, V) logits never exist at once: each chunk's logits, softmax and gradient with respect
-    to the logits are formed and folded into the gradients of ``states`` and ``weight`` at once
-    (held until backward: an (n, H) and a (V, H) buffer, the sizes autograd hands back anyway).
-    """
-    if (teacher_states is None) != (teacher_head is None):
-        raise ValueError("give teacher_states and teacher_head together (or neither)")
-    if soft_weight and teacher_states is None:
-        raise ValueError("soft_weight > 0 needs the teacher (teacher_states and teacher_head)")
-    if states.dim() != 2 or labels.shape != states.shape[:1]:
-        raise ValueError(f"states must be (n, hidden) and labels (n,), got "
-                         f"{tuple(states.shape)} and {tuple(labels.shape)}")
-    grad = torch.is_grad_enabled()
-    topk = min(topk, weight.shape[0])
-    loss, sums, hits = _ProjectedCrossEntropy.apply(
-        states, weight, labels, teacher_states, teacher_head, float(hard_weight),
-        float(soft_weight), int(chunk_size), topk, grad and states.requires_grad,
-        grad and weight.requires_grad)
-    return ProjectedLoss(loss, sums[0], sums[1], sums[2], sums[3], hits, int(states.shape[0]))
 
 
 def head_rows(loss_mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
