@@ -382,6 +382,9 @@ class TrainConfig:
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = option(
         "auto", "auto: bf16 autocast on GPU (fp16 where bf16 is unsupported) and on a CPU with "
         "native bf16 instructions (AVX-512 BF16, AMX), no (fp32) elsewhere")
+    loss_chunk_size: int = option(
+        256, "positions per chunk of the large-vocabulary losses: the extra memory of a loss is "
+        "about chunk x vocabulary x 4 bytes a few times, whatever the sequence length")
     gradient_checkpointing: bool = option(
         False, "recompute the trained module's activations in the backward pass instead of "
         "keeping them (less memory, about a third more compute)", may_change_on_resume=True)
@@ -430,7 +433,7 @@ class TrainConfig:
             "max_length": 2, "per_device_batch_size": 1, "gradient_accumulation_steps": 1,
             "warmup_steps": 0, "save_every": 0, "log_every": 1, "eval_every": 0,
             "eval_num_prompts": 1, "eval_max_new_tokens": 1, "num_workers": 0,
-            "max_steps": 1, "num_epochs": 1, "keep_checkpoints": 1, "max_tokens_per_batch": 2,
+            "max_steps": 1, "num_epochs": 1, "keep_checkpoints": 1, "max_tokens_per_batch": 2, "loss_chunk_size": 1,
         }
         for key, low in at_least.items():
             value = getattr(self, key)

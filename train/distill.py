@@ -98,8 +98,6 @@ class DistillConfig(TrainConfig):
     temperature: float = option(
         1.0, "both distributions are softmax(logits / temperature) in the loss and the held-out "
         "1 - TVD")
-    chunk_size: int | None = option(
-        256, "positions per chunk of the divergence over the vocabulary (none: all at once)")
 
     on_policy_ratio: float = option(
         0.5, "fraction of micro-batches trained on the draft's own samples (0..1), drawn per "
@@ -181,7 +179,7 @@ class DistillConfig(TrainConfig):
             raise ValueError("config key 'lora_target_modules' is empty: give all-linear or "
                              "module names such as q_proj,v_proj")
         at_least = {"on_policy_max_new_tokens": 1, "lora_r": 1, "heldout_max_rows": 1,
-                    "heldout_every": 0, "draft_depth": 1, "chunk_size": 1}
+                    "heldout_every": 0, "draft_depth": 1}
         for key, low in at_least.items():
             value = getattr(self, key)
             if value is not None and value < low:
@@ -462,7 +460,7 @@ def distill_loss(model: nn.Module, target: Target, batch: dict, cfg: DistillConf
     draft_logits = model(**inputs).logits  # (n, vocab)
     mask = torch.ones(draft_logits.shape[:-1], device=draft_logits.device)  # (n,)
     loss = divergence(cfg.divergence, draft_logits, target_logits, mask,
-                      temperature=cfg.temperature, beta=cfg.beta, chunk_size=cfg.chunk_size,
+                      temperature=cfg.temperature, beta=cfg.beta, chunk_size=cfg.loss_chunk_size,
                       reduction=reduction)
     return loss, draft_logits, target_logits
 
@@ -515,7 +513,7 @@ class HeldOutAcceptance(PeriodicEval):
             n = draft_logits.shape[0]
             ones = torch.ones(n, device=draft_logits.device)
             rejected = tvd(draft_logits, target_logits, ones, temperature=self.cfg.temperature,
-                           chunk_size=self.cfg.chunk_size, reduction="sum")
+                           chunk_size=self.cfg.loss_chunk_size, reduction="sum")
             agree = argmax_agreement(draft_logits, target_logits, ones) * n
             sums += torch.stack([n - rejected.double(), agree.double(), loss.double(),
                                  torch.tensor(float(n), dtype=torch.float64, device=sums.device)])

@@ -241,7 +241,9 @@ def build(cfg: EagleTrainConfig) -> Recipe:
     head = EagleHead(config, target, d2t=d2t, t2d=t2d, dtype=torch.float32)
     maps = (d2t.clone(), t2d.clone())  # the head's buffers may share them; a resume overwrites
     model = EagleLoss(head, steps=cfg.ttt_steps, decay=cfg.ttt_decay,
-                      feature_noise=cfg.feature_noise, ce_weight=cfg.ce_weight)
+                      feature_noise=cfg.feature_noise, ce_weight=cfg.ce_weight,
+                      chunk_size=cfg.loss_chunk_size,
+                      gradient_checkpointing=cfg.gradient_checkpointing)
 
     def step(model, batch: dict, micro_index: int) -> StepOutput:
         if cfg.feature_mode == "online":  # (B, S, F) features and (B, S, h) last hidden

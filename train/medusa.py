@@ -111,9 +111,6 @@ class MedusaTrainConfig(TrainConfig):
     soft_labels: bool = option(
         False, "self-distillation: head k at t matches the target's distribution of token t+1+k "
         "given the true prefix, instead of the data's token")
-    loss_chunk_size: int = option(
-        256, "positions per chunk of the vocabulary projections in the loss (memory: about 6 x "
-        "chunk x vocab x 4 bytes at a time)")
 
     regenerate: bool = option(
         False, "first let the target answer the data's prompts itself (train.data.regenerate, "
@@ -164,7 +161,7 @@ class MedusaTrainConfig(TrainConfig):
         if self.num_heads < 1:
             raise ValueError(f"config key 'num_heads' (K, the number of Medusa heads) must be "
                              f">= 1, got {self.num_heads}")
-        at_least = {"num_layers": 0, "loss_chunk_size": 1, "regenerate_max_new_tokens": 1,
+        at_least = {"num_layers": 0, "regenerate_max_new_tokens": 1,
                     "regenerate_max_prompts": 1, "regenerate_batch_size": 1, "lora_r": 1,
                     "heldout_max_rows": 1, "heldout_every": 0, "tree_topk": 1,
                     "eval_tree_nodes": 1}
