@@ -765,19 +765,32 @@ def target_features(
     -> {"features": (B, S, F), "last_hidden": (B, S, h)}: F = h (EAGLE-1, index L) or 3h (EAGLE-3,
     the aux indices concatenated in ascending order); last_hidden is index L (the target's
     distribution is lm_head(last_hidden)). The LM head itself is not run here.
+
+    Only the hidden states the head reads are kept (captured at the inputs of their decoder
+    layers), not all L + 1 of ``output_hidden_states``: on an 8B target that is 4 instead of 33
+    (B, S, h) tensors alive while the head trains.
     """
-    out = target.decoder(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        output_hidden_states=True,
-        use_cache=False,
-    )
-    hs = out.hidden_states
-    last = hs[target.num_layers]
+    captured: dict[int, torch.Tensor] = {}
+    hooks = []
+
+    def capture(index: int):
+        def hook(module, args, kwargs):
+            captured[index] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    wanted = [i for i in config.aux_layer_ids if i < target.num_layers]
+    for i in wanted:  # index i is the input of decoder layer i
+        hooks.append(target.layers[i].register_forward_pre_hook(capture(i), with_kwargs=True))
+    try:
+        out = target.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    finally:
+        for handle in hooks:
+            handle.remove()
+    last = out.last_hidden_state  # index L: the final-normed last layer
     if config.version == 1:
         return {"features": last, "last_hidden": last}
     return {
-        "features": torch.cat([hs[i] for i in config.aux_layer_ids], dim=-1),
+        "features": torch.cat([captured[i] for i in config.aux_layer_ids], dim=-1),
         "last_hidden": last,
     }
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_llama
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eval.eagle import EagleProposer
@@ -479,3 +480,19 @@ def test_head_in_bf16_keeps_greedy_exact(tmp_path, engine, target, heads, greedy
     assert proposer.head.dtype == torch.bfloat16
     for prompt, reference in zip(PROMPTS, greedy):
         assert engine.generate(prompt, NEW_TOKENS, SamplingParams(), proposer).tokens == reference
+
+
+def test_target_features_keep_only_the_layers_the_head_reads():
+    """The hooks capture exactly transformers' output_hidden_states at the aux indices and L."""
+    target = wrap_target(tiny_llama(layers=5, seed=1), name="five")
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    states = target.decoder(input_ids=ids, attention_mask=mask, output_hidden_states=True,
+                            use_cache=False).hidden_states
+    for version, aux in ((3, [1, 2, 4]), (3, [2, 3, 4]), (1, None)):
+        config = EagleConfig.from_target(target, version, aux_layer_ids=aux)
+        got = target_features(target, ids, mask, config)
+        want = states[5] if version == 1 else torch.cat([states[i] for i in aux], dim=-1)
+        assert torch.equal(got["features"], want) and torch.equal(got["last_hidden"], states[5])
+    assert not any(layer._forward_pre_hooks for layer in target.layers)  # hooks removed
