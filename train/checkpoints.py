@@ -34,8 +34,15 @@ from pathlib import Path
 
 from accelerate import Accelerator
 from accelerate.utils import load as accelerate_load
-from safetensors import safe_open
 
+from heads.file_formats import safetensors_problem
+from heads.output_dir import (
+    check_destination,
+    check_writable,
+    commit_dir,
+    read_marker,
+    stage_dir,
+)
 from train.batches import BatchPlan
 from train.config import config_diff, config_to_dict, may_change_on_resume, save_config
 
@@ -43,6 +50,9 @@ STATE_FILE = "trainer_state.json"
 FORMAT_VERSION = 2
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _RESULTS = ("artifact", "metrics.jsonl")
+CHECKPOINT_KIND = "checkpoint"  # the heads.output_dir marker kind of a checkpoint directory
+# identity keys that say where the target was found, not what it is
+_TARGET_LOCATION = ("path", "hub_id")
 
 
 @dataclass
@@ -134,14 +144,9 @@ def checkpoint_problems(path: str | os.PathLike) -> list[str]:
     if not weights:
         problems.append("no model weights (model.safetensors)")
     for file in weights:
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():
-                    handle.get_slice(name).get_shape()
-            if file.stat().st_size < 8:
-                raise OSError("empty")
-        except Exception as err:  # noqa: BLE001 - safetensors raises several types
-            problems.append(f"{file.name} is unreadable ({type(err).__name__}: {err})")
+        problem = safetensors_problem(file)
+        if problem:
+            problems.append(f"{file.name} {problem}")
     optimizers = sorted(path.glob("optimizer*.bin"))
     if not optimizers:
         problems.append("no optimizer state (optimizer.bin)")
@@ -166,23 +171,6 @@ def checkpoint_problems(path: str | os.PathLike) -> list[str]:
     return problems
 
 
-def _fsync_tree(directory: Path) -> None:
-    """Flush a finished checkpoint to disk before it is renamed into place."""
-    for root, _, files in os.walk(directory):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as f:
-                os.fsync(f.fileno())
-
-
-def _fsync_dir(directory: Path) -> None:
-    if hasattr(os, "O_DIRECTORY"):
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 class Checkpointer:
     """Saves ``checkpoints/step_<N>`` atomically, prunes old ones, and resumes from them.
 
@@ -202,6 +190,10 @@ class Checkpointer:
         self.plan = plan
         self.target_identity = dict(target_identity)
         self.last_saved_step: int | None = None
+        # before any training: a run that cannot write its results fails now, not at its end
+        check_writable(self.output_dir, what="output_dir")
+        check_destination(self.output_dir / "artifact", kind="artifact",
+                          overwrite=bool(cfg.overwrite))
         existing = latest_checkpoint(self.root)
         if cfg.resume is None and existing is not None:
             raise ValueError(
@@ -263,13 +255,17 @@ class Checkpointer:
                 f"{', '.join(map(repr, changed))} changed ({detail}); set them back to continue "
                 f"this run, or start a new run in another --output_dir")
         theirs = recorded.get("target", {})
-        wrong = [k for k in sorted(set(theirs) | set(self.target_identity))
-                 if theirs.get(k) != self.target_identity.get(k)]
+        # where the target lives may change (a moved directory); what it is may not. A key the
+        # checkpoint lacks (written before weights_fingerprint existed) has nothing to compare.
+        wrong = [k for k in sorted(theirs) if k not in _TARGET_LOCATION
+                 and theirs[k] != self.target_identity.get(k)]
         if wrong:
             detail = "; ".join(f"{k}: {theirs.get(k)!r} there, {self.target_identity.get(k)!r} "
                                f"here" for k in wrong)
+            where = theirs.get("path") or theirs.get("hub_id")
             raise ValueError(f"cannot resume from {path}: it was trained for another target "
-                             f"({detail}); resume with the target it was trained for")
+                             f"({detail}); resume with the target it was trained for"
+                             + (f" ({where})" if where else ""))
         theirs, mine = recorded["batches"], self.plan.budget
         if _step_rows(theirs) != _step_rows(mine):
             raise ValueError(
@@ -312,7 +308,10 @@ class Checkpointer:
         if self.accelerator.is_main_process:
             for damaged in newer:
                 aside = damaged.with_name(f"damaged-{damaged.name}")
-                shutil.rmtree(aside, ignore_errors=True)
+                count = 1
+                while aside.exists() or aside.is_symlink():  # an earlier one is kept too
+                    count += 1
+                    aside = damaged.with_name(f"damaged-{damaged.name}-{count}")
                 os.replace(damaged, aside)
                 self.accelerator.print(f"[draftsmith] damaged checkpoint {damaged} kept as "
                                        f"{aside}")
@@ -367,16 +366,19 @@ class Checkpointer:
         return bool(self.cfg.save_every) and state.step % self.cfg.save_every == 0
 
     def save(self, state: TrainState) -> Path:
-        """Write ``checkpoints/step_<N>`` atomically (every process must call it), then prune."""
+        """Write ``checkpoints/step_<N>`` atomically (every process must call it), then prune.
+
+        The main process stages a marked directory (:func:`heads.output_dir.stage_dir`), every
+        process saves its part of the state into it, trainer_state.json is written last, and
+        :func:`heads.output_dir.commit_dir` fsyncs it and renames it into place.
+        """
         final = self.root / f"step_{state.step}"
         if self.last_saved_step == state.step:
             return final
         accelerator = self.accelerator
-        tmp = self.root / f".tmp-step_{state.step}"
+        tmp = self.root / f".{final.name}.tmp-save"
         if accelerator.is_main_process:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
+            stage_dir(final, kind=CHECKPOINT_KIND, name=tmp.name, marker={"step": state.step})
         accelerator.wait_for_everyone()
         accelerator.save_state(str(tmp))
         accelerator.wait_for_everyone()
@@ -393,30 +395,35 @@ class Checkpointer:
             }
             # written last: its presence is what marks a checkpoint complete
             (tmp / STATE_FILE).write_text(json.dumps(record, indent=2))
-            _fsync_tree(tmp)
-            if final.exists():
-                old = self.root / f".old-step_{state.step}"
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old)
-            else:
-                os.replace(tmp, final)
-            _fsync_dir(self.root)
+            # a step_<N> that is neither marked nor complete is someone else's: refused
+            commit_dir(tmp, final, kind=CHECKPOINT_KIND, overwrite=_is_checkpoint(final))
             self.prune()
         accelerator.wait_for_everyone()
         self.last_saved_step = state.step
         return final
 
     def prune(self) -> None:
-        """Keep the newest ``keep_checkpoints``; remove leftovers of interrupted saves."""
+        """Keep the newest ``keep_checkpoints``; remove leftovers of interrupted saves.
+
+        Only directories that are draftsmith's checkpoints are deleted: complete ones
+        (trainer_state.json) and marked leftovers (``.step_<N>.tmp-*``, ``.step_<N>.old-*``).
+        """
         for child in self.root.iterdir():
-            if child.name.startswith((".tmp-step_", ".old-step_")):
+            if child.name.startswith(".step_") and child.is_dir() and not child.is_symlink() \
+                    and (read_marker(child) or {}).get("kind") == CHECKPOINT_KIND:
                 shutil.rmtree(child, ignore_errors=True)
         keep = self.cfg.keep_checkpoints
         if keep is not None:
             for old in list_checkpoints(self.root)[:-keep]:
                 shutil.rmtree(old)
+
+
+def _is_checkpoint(path: Path) -> bool:
+    """A directory draftsmith may replace or delete as a checkpoint: complete or marked."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    return (path / STATE_FILE).is_file() or \
+        (read_marker(path) or {}).get("kind") == CHECKPOINT_KIND
 
 
 def _step_rows(budget: dict) -> tuple:

@@ -344,7 +344,10 @@ def may_change_on_resume(cfg_or_cls: Any) -> list[str]:
 class TrainConfig:
     """Keys shared by every draftsmith trainer (each script's config subclasses this)."""
 
-    target: str = option("smollm2-135m", "target: embedded name, Hugging Face directory or .gguf")
+    target: str = option(
+        "smollm2-135m", "target: embedded name, Hugging Face directory or .gguf (a resume may name "
+        "it by another path; its name, shapes and weights must stay those of the checkpoint)",
+        may_change_on_resume=True)
     data: list[str] = option([], "training data: JSON/JSONL files or Hub dataset ids")
     max_length: int = option(2048, "longest training sequence in tokens (longer ones are cut)")
     output_dir: str = option(

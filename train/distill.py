@@ -625,7 +625,7 @@ def export(cfg: DistillConfig, accelerator, target: Target, result: TrainResult)
         plain = merge_lora(module) if cfg.lora else module
         plain.eval()
         artifact = save_draft(plain, target.tokenizer, Path(cfg.output_dir) / "artifact",
-                              target.identity(), extra={
+                              target.identity(), overwrite=bool(cfg.overwrite), extra={
                                   "trainer": "train/distill.py", "draft": cfg.draft,
                                   "divergence": cfg.divergence, "beta": cfg.beta,
                                   "temperature": cfg.temperature,
