@@ -442,6 +442,11 @@ class TrainConfig:
         if not self.dist_timeout_minutes > 0:
             raise ValueError(f"config key 'dist_timeout_minutes' must be > 0, got "
                              f"{self.dist_timeout_minutes}")
+        for f in dataclasses.fields(self):  # also when built directly, without parse_config
+            value = getattr(self, f.name)
+            values = value if isinstance(value, list) else [value]
+            if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+                raise ValueError(f"config key {f.name!r} must be a finite number, got {value}")
         for key in ("learning_rate",):
             if not getattr(self, key) > 0:
                 raise ValueError(f"config key {key!r} must be > 0, got {getattr(self, key)}")
