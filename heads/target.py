@@ -317,7 +317,8 @@ def weights_fingerprint(model: nn.Module) -> str | None:
     for name, whole, values in parts:
         if whole.is_meta:
             return None
-        values = values.detach().to("cpu").to(torch.bfloat16).contiguous()
+        # float32 first, as a float32 load of the same checkpoint would hold them
+        values = values.detach().to("cpu").float().to(torch.bfloat16).contiguous()
         digest.update(f"{name}:{tuple(whole.shape)};".encode())
         digest.update(values.view(torch.int16).numpy().tobytes())
     return digest.hexdigest()[:16]

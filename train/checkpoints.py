@@ -10,9 +10,14 @@ Layout under ``<output_dir>/checkpoints/``::
 
     step_<N>/          accelerate's state (model.safetensors, optimizer.bin, random_states_<i>.pkl)
                        and trainer_state.json: step, data position, the config, the target identity
-    .tmp-step_<N>/     a save in progress, renamed to step_<N> once complete: a crash never leaves
-                       a half-written "latest" (only a step_<N> holding trainer_state.json counts)
+    .step_<N>.tmp-save/  a save in progress, renamed to step_<N> once complete: a crash never
+                       leaves a half-written "latest" (only a step_<N> holding trainer_state.json
+                       counts)
     damaged-step_<N>/  a checkpoint found damaged when resuming from an older one (kept, not used)
+
+Every directory here is written through heads/output_dir.py and carries its ``.draftsmith``
+marker (kind ``checkpoint``) from the moment it is made; saving and pruning delete or replace only
+directories that carry it or are complete checkpoints, never anything else.
 
 Before loading, every part of a checkpoint is checked (the weights' header, the optimizer state,
 every process's random state, trainer_state.json); a damaged one is reported by name with the
@@ -176,10 +181,13 @@ class Checkpointer:
 
     Build it after ``accelerator.prepare`` (``resume`` loads into the prepared objects).
     ``target_identity`` is ``Target.identity()``: a checkpoint is refused by a run for another
-    target. A fresh run refuses an ``output_dir`` that already holds checkpoints (continue it with
+    target (name, shapes, weights fingerprint; the target's ``path`` and ``hub_id`` may change). A
+    fresh run refuses an ``output_dir`` that already holds checkpoints (continue it with
     ``--resume latest``) or the results of another run (an artifact or metrics.jsonl: replace them
-    with ``--overwrite``), so that nothing a user has is replaced by accident. Nothing is written
-    before the run has been accepted: a refused resume changes no file.
+    with ``--overwrite``), so that nothing a user has is replaced by accident; an ``output_dir``
+    that cannot be written, or an ``artifact/`` there that is not an artifact, is refused before
+    any training. Nothing is written before the run has been accepted: a refused resume changes no
+    file.
     """
 
     def __init__(self, accelerator: Accelerator, cfg, target_identity: dict, plan: BatchPlan):
