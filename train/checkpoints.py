@@ -40,12 +40,13 @@ from pathlib import Path
 from accelerate import Accelerator
 from accelerate.utils import load as accelerate_load
 
-from heads.file_formats import safetensors_problem
+from heads.file_formats import FileFormatError, read_json_object, safetensors_problem
 from heads.output_dir import (
     check_destination,
     check_writable,
     commit_dir,
     read_marker,
+    remove_dir,
     stage_dir,
 )
 from train.batches import BatchPlan
@@ -111,16 +112,15 @@ def step_of(path: Path) -> int:
 
 
 def read_checkpoint_state(path: str | os.PathLike) -> dict:
-    """The trainer_state.json of a checkpoint directory."""
+    """The trainer_state.json of a checkpoint directory (a damaged one is a
+    :class:`heads.file_formats.FileFormatError`)."""
     file = Path(path) / STATE_FILE
     if not file.is_file():
         raise ValueError(f"{path} is not a complete draftsmith checkpoint (no {STATE_FILE})")
-    try:
-        recorded = json.loads(file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{file} is damaged (not valid JSON: {err})") from None
-    if not isinstance(recorded, dict) or not isinstance(recorded.get("step"), int):
-        raise ValueError(f"{file} is damaged (no step recorded)")
+    fix = "the checkpoint is damaged: resume from another one"
+    recorded = read_json_object(file, fix=fix)
+    if not isinstance(recorded.get("step"), int):
+        raise FileFormatError(file, "records no step", fix)
     if recorded.get("format_version", 0) > FORMAT_VERSION:
         raise ValueError(f"{path} was written by a newer draftsmith (checkpoint format "
                          f"{recorded['format_version']} > {FORMAT_VERSION}); upgrade draftsmith")
@@ -417,9 +417,11 @@ class Checkpointer:
         (trainer_state.json) and marked leftovers (``.step_<N>.tmp-*``, ``.step_<N>.old-*``).
         """
         for child in self.root.iterdir():
-            if child.name.startswith(".step_") and child.is_dir() and not child.is_symlink() \
-                    and (read_marker(child) or {}).get("kind") == CHECKPOINT_KIND:
-                shutil.rmtree(child, ignore_errors=True)
+            if child.name.startswith(".step_"):
+                try:
+                    remove_dir(child, kind=CHECKPOINT_KIND)  # marked, or empty
+                except (ValueError, OSError):
+                    continue  # not ours, or already gone: left as it is
         keep = self.cfg.keep_checkpoints
         if keep is not None:
             for old in list_checkpoints(self.root)[:-keep]:
