@@ -80,28 +80,27 @@ def _file_fingerprint(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def check_gguf(path: str | os.PathLike) -> None:
-    """Refuse a GGUF file whose header or tensors cannot be read (truncated, garbled, not GGUF).
+def gguf_problem(path: str | os.PathLike) -> str | None:
+    """What makes a GGUF file unreadable (truncated, garbled, not GGUF), or None.
 
-    gguf's reader maps every tensor of the file, so a file cut short fails here with its name,
-    not later inside the conversion with a bare reshape or struct error.
+    gguf's reader maps every tensor of the file, so a file cut short is caught here. It parses all
+    the metadata (seconds for a tokenizer of 50k entries), so it is run to explain a failed
+    conversion, not before every one.
     """
     import gguf
 
     path = Path(path)
-    fix = "the file is damaged or incomplete: download it again"
     try:
         reader = gguf.GGUFReader(str(path))
         end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
     except (ValueError, struct.error, IndexError, KeyError, OverflowError) as err:
-        raise FileFormatError(path, f"is not a readable GGUF file ({type(err).__name__}: {err})",
-                              fix) from None
+        return f"is not a readable GGUF file ({type(err).__name__}: {err})"
     if not reader.tensors:
-        raise FileFormatError(path, "is a GGUF file without tensors", fix)
+        return "is a GGUF file without tensors"
     size = path.stat().st_size
     if end > size:
-        raise FileFormatError(path, f"is cut short: its tensors end at byte {end}, the file has "
-                                    f"{size}", fix)
+        return f"is cut short: its tensors end at byte {end}, the file has {size}"
+    return None
 
 
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
@@ -127,7 +126,6 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     except ValueError as err:
         raise ValueError(f"cannot convert {gguf_path.name} into {out_dir}: {err}. Remove that "
                          f"directory, or set DRAFTSMITH_CACHE to another cache directory") from None
-    check_gguf(gguf_path)
 
     def fill(tmp: Path) -> None:
         kwargs = dict(gguf_file=gguf_path.name, trust_remote_code=False)
@@ -150,8 +148,15 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
             json.dumps({"source": str(gguf_path), "fingerprint": _file_fingerprint(gguf_path)})
         )
 
-    return write_dir(out_dir, fill, kind=CONVERTED_KIND, overwrite=earlier,
-                     marker={"source": str(gguf_path)})
+    try:
+        return write_dir(out_dir, fill, kind=CONVERTED_KIND, overwrite=earlier,
+                         marker={"source": str(gguf_path)})
+    except (ValueError, struct.error, IndexError, KeyError, OverflowError, EOFError):
+        problem = gguf_problem(gguf_path)
+        if problem is None:
+            raise  # the file reads: the failure is not the file's
+        raise FileFormatError(gguf_path, problem,
+                              "the file is damaged or incomplete: download it again") from None
 
 
 def _converted_dir(gguf_path: Path, name: str | None = None) -> Path:

@@ -9,6 +9,8 @@ import json
 import shutil
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer
@@ -22,8 +24,8 @@ from heads.file_formats import FileFormatError
 from heads.medusa import MedusaHeads, load_medusa, save_medusa
 from heads.output_dir import read_marker
 from heads.target import (
-    check_gguf,
     convert_gguf,
+    gguf_problem,
     load_target,
     resolve_target,
     weights_fingerprint,
@@ -143,20 +145,44 @@ def gguf_file():
         pytest.skip(str(err))
 
 
-def test_a_damaged_gguf_is_named_before_any_conversion(gguf_file, tmp_path, monkeypatch):
+def tiny_gguf(path: Path) -> Path:
+    """A small, well-formed GGUF file (no tokenizer: transformers cannot convert it)."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    writer.add_tensor("token_embd.weight", np.arange(256, dtype=np.float32).reshape(32, 8))
+    writer.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_damaged_gguf_is_named_and_nothing_is_left_behind(gguf_file, tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
-    data = gguf_file.read_bytes()
-    cases = {"half.gguf": data[: len(data) // 2], "tail.gguf": data[:-100],
-             "header.gguf": data[:100], "zeros.gguf": bytes(1000)}
+    whole = tiny_gguf(tmp_path / "whole.gguf").read_bytes()
+    cases = {"cut.gguf": whole[:-200], "header.gguf": gguf_file.read_bytes()[:100],
+             "zeros.gguf": bytes(1000)}
     for name, content in cases.items():
         path = tmp_path / name
         path.write_bytes(content)
-        with pytest.raises(FileFormatError, match=rf"{name}: .*GGUF.*download it again") as info:
+        with pytest.raises(FileFormatError, match=rf"{name}: is not a readable GGUF file .*; the "
+                                                  r"file is damaged or incomplete: download it "
+                                                  r"again") as info:
             resolve_target(str(path))
-        assert info.value.path == path
-    assert not (tmp_path / "cache" / "targets").exists() or \
-        not any((tmp_path / "cache" / "targets").iterdir())  # nothing half-converted
-    check_gguf(gguf_file)  # the real file passes
+        assert info.value.path == path.resolve()
+    assert gguf_problem(tmp_path / "whole.gguf") is None
+    # a whole file that transformers cannot convert keeps transformers' own error
+    with pytest.raises(ValueError, match="Cannot build a tokenizer") as info:
+        resolve_target(str(tmp_path / "whole.gguf"))
+    assert not isinstance(info.value, FileFormatError)
+    targets = tmp_path / "cache" / "targets"
+    assert not targets.exists() or not list(targets.iterdir())  # nothing half-converted
 
 
 def test_the_conversion_never_replaces_a_directory_it_did_not_write(gguf_file, tmp_path):
@@ -173,6 +199,10 @@ def test_the_conversion_never_replaces_a_directory_it_did_not_write(gguf_file, t
 def test_the_converted_target_is_a_marked_directory(trainer_env):
     directory = resolve_target("smollm2-135m")
     assert read_marker(directory)["kind"] == "converted-target"
+    assert resolve_target("smollm2-135m") == directory  # converted once
+    identity = load_target("smollm2-135m", device="cpu").identity()
+    assert identity["hub_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert identity["path"] == str(directory.resolve()) and identity["weights_fingerprint"]
 
 
 # ------------------------------------------------------------------------------------------------
