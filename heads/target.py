@@ -23,6 +23,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
 
 import torch
@@ -40,10 +41,10 @@ EMBEDDED_HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 _CONVERTED_MARK = "draftsmith_converted.json"
 # the marker kind (heads.output_dir) of a converted-target cache directory
 CONVERTED_KIND = "converted-target"
-# what weights_fingerprint reads: the first rows of the embedding, the leading elements of every
-# tensor of the middle decoder layer, the final norm
+# what weights_fingerprint reads: the first rows of the embedding, the leading elements of the
+# middle decoder layer's tensors (this many in all), the final norm
 FINGERPRINT_ROWS = 64
-FINGERPRINT_ELEMENTS = 1 << 16
+FINGERPRINT_ELEMENTS = 1 << 18
 
 
 def cache_root() -> Path:
@@ -288,20 +289,17 @@ def default_device_dtype(
     return dev, dtype
 
 
-def _name(named: tuple) -> str:
-    return named[0]
-
-
 def weights_fingerprint(model: nn.Module) -> str | None:
     """A short hash of a few of a causal LM's weights, to tell targets of the same shapes apart.
 
-    Reads the first :data:`FINGERPRINT_ROWS` rows of the input embedding, the leading
-    :data:`FINGERPRINT_ELEMENTS` elements of every tensor of the middle decoder layer (of the
-    middle parameter for a model without ``layers``) and the final norm, in a fixed order, each
-    with its name and full shape. Values are copied to the CPU and rounded to bfloat16 first, so
-    one checkpoint gives one fingerprint whether it is loaded in float32 on a CPU or in bfloat16 on
-    a GPU; the LM head is not read, so tying does not matter. None while weights are not
-    materialised (meta tensors). Cheap: well under a million values for any model.
+    Reads the first :data:`FINGERPRINT_ROWS` rows of the input embedding, the leading elements
+    of every tensor of the middle decoder layer (:data:`FINGERPRINT_ELEMENTS` shared between
+    them; the middle parameter for a model without ``layers``) and the final norm, in a fixed
+    order, each with its name and full shape. Values are copied to the CPU and rounded to
+    bfloat16 first, so one checkpoint gives one fingerprint whether it is loaded in float32 on a
+    CPU or in bfloat16 on a GPU; the LM head is not read, so tying does not matter. None while
+    weights are not materialised (meta tensors). Cheap: a few hundred thousand values for any
+    model.
     """
     embed = model.get_input_embeddings().weight
     decoder = model.get_decoder()
@@ -314,10 +312,11 @@ def weights_fingerprint(model: nn.Module) -> str | None:
         params = [(n, p) for n, p in model.named_parameters() if id(p) not in skip]
         group = [params[len(params) // 2]] if params else []
     norm = getattr(decoder, "norm", None)
-    finals = [(f"norm.{name}", p) for name, p in norm.named_parameters()] if norm is not None else []
+    finals = [] if norm is None else [(f"norm.{name}", p) for name, p in norm.named_parameters()]
+    each = max(256, FINGERPRINT_ELEMENTS // max(1, len(group)))
     parts = [("embed", embed, embed[:FINGERPRINT_ROWS])]
-    parts += [(name, p, p.reshape(-1)[:FINGERPRINT_ELEMENTS]) for name, p in sorted(group, key=_name)]
-    parts += [(name, p, p.reshape(-1)) for name, p in sorted(finals, key=_name)]
+    parts += [(name, p, p.reshape(-1)[:each]) for name, p in sorted(group, key=itemgetter(0))]
+    parts += [(name, p, p.reshape(-1)) for name, p in sorted(finals, key=itemgetter(0))]
     digest = hashlib.sha256()
     for name, whole, values in parts:
         if whole.is_meta:
