@@ -19,15 +19,15 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from heads.artifact import FORMAT_VERSION
-from heads.target import Target, freeze
+from heads.file_formats import read_json_object
+from heads.output_dir import write_dir
+from heads.target import Target, check_model_directory, freeze
 
 TRUNCATE_PREFIX = "truncate:"
 # config.json key under which a saved draft records what it is and which target it was made for
@@ -123,11 +123,14 @@ def load_draft(spec: str, target: Target, trainable: bool = False,
             raise FileNotFoundError(
                 f"draft {spec!r} is neither truncate:N nor a model directory with config.json"
             )
-        draft = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or target.dtype)
+        check_model_directory(path, what="draft")
+        # code shipped with a model directory (config.json's auto_map) is never run
+        draft = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or target.dtype,
+                                                     trust_remote_code=False)
         draft = draft.to(target.device)
         tokenizer = None
         if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-            tokenizer = AutoTokenizer.from_pretrained(str(path))
+            tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
         check_same_vocab(target, draft, tokenizer, draft_name=str(path))
     if not trainable:
         return freeze(draft)
@@ -316,8 +319,12 @@ def merge_lora(model: nn.Module) -> nn.Module:
 
 
 def save_draft(model: nn.Module, tokenizer, out_dir: str | os.PathLike, target_identity: dict,
-               extra: dict | None = None) -> Path:
+               extra: dict | None = None, overwrite: bool = False) -> Path:
     """Write a plain Hugging Face model directory for the draft, atomically.
+
+    Written by :func:`heads.output_dir.write_dir` (marked as an ``artifact``): an existing
+    ``out_dir`` is replaced when it is an earlier artifact (or empty), anything else only with
+    ``overwrite=True``.
 
     ``out_dir`` gets config.json (the model's config plus a ``"draftsmith"`` block: method "draft",
     format_version, the target identity and ``extra``, e.g. how the draft was built and trained),
@@ -358,10 +365,7 @@ def save_draft(model: nn.Module, tokenizer, out_dir: str | os.PathLike, target_i
         raise ValueError(f"extra must be JSON-serialisable (plain str/int/float/list/dict): {err}"
                          ) from err
 
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
-    try:
+    def fill(tmp: Path) -> None:
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         if not (tmp / "generation_config.json").is_file() and getattr(
@@ -371,13 +375,9 @@ def save_draft(model: nn.Module, tokenizer, out_dir: str | os.PathLike, target_i
         config = json.loads(config_path.read_text())
         config[DRAFT_INFO_KEY] = info
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+
+    return write_dir(out_dir, fill, kind="artifact", overwrite=overwrite,
+                     marker={"method": "draft"})
 
 
 def read_draft_info(directory: str | os.PathLike) -> dict | None:
@@ -385,4 +385,5 @@ def read_draft_info(directory: str | os.PathLike) -> dict | None:
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{directory} is not a model directory (no config.json)")
-    return json.loads(path.read_text()).get(DRAFT_INFO_KEY)
+    return read_json_object(path, fix="the model directory is damaged: write or download it "
+                                      "again").get(DRAFT_INFO_KEY)

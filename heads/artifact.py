@@ -15,8 +15,9 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from heads.file_formats import load_safetensors, read_json_object
 from heads.output_dir import write_dir
 
 FORMAT_VERSION = 1
@@ -48,11 +49,13 @@ def save_artifact(directory: str | os.PathLike, method: str, config: dict,
 
 
 def read_artifact_config(directory: str | os.PathLike, method: str | tuple[str, ...] | None = None) -> dict:
+    """config.json of an artifact (checked to hold ``method`` when given); a damaged one is a
+    :class:`heads.file_formats.FileFormatError`."""
     directory = Path(directory)
     path = directory / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{directory} is not a draftsmith artifact (no config.json)")
-    config = json.loads(path.read_text())
+    config = read_json_object(path, fix="the artifact is damaged: train or export it again")
     wanted = (method,) if isinstance(method, str) else method
     if wanted and config.get("method") not in wanted:
         raise ValueError(
@@ -71,4 +74,5 @@ def load_artifact(directory: str | os.PathLike, method: str | tuple[str, ...] | 
     weights = Path(directory) / "model.safetensors"
     if not weights.is_file():
         raise FileNotFoundError(f"{directory} has config.json but no model.safetensors")
-    return config, load_file(str(weights), device=str(device))
+    return config, load_safetensors(weights, device=device,
+                                    fix="the artifact is damaged: train or export it again")

@@ -28,12 +28,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from heads.output_dir import remove_dir, stage_dir
 from heads.target import cache_root
 
 SPECULATORS_VERSION = "0.9.0"
 TORCH_VERSION = "2.13.0"
 _LEFT_OUT = ("torch", "torchvision", "torchaudio")
 _COMPLETE = "draftsmith-venv-complete"
+_VENV_KIND = "consumer-venv"  # the heads.output_dir marker kind of the venv
 
 
 def speculators_venv() -> Path:
@@ -62,8 +64,8 @@ def install_speculators(log=sys.stderr) -> Path:
     if found is not None:
         return found
     venv = speculators_venv()
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=venv.name + ".partial-", dir=venv.parent))
+    # marked when made, so that a broken venv left at this path is known to be draftsmith's
+    partial = stage_dir(venv, kind=_VENV_KIND)
     try:
         _run([sys.executable, "-m", "venv", str(partial)], log)
         python = str(partial / "bin" / "python")
@@ -83,8 +85,11 @@ def install_speculators(log=sys.stderr) -> Path:
         _run([python, "-c", "import speculators.models.eagle3"], log)
         (partial / _COMPLETE).write_text(json.dumps(
             {"speculators": SPECULATORS_VERSION, "torch": TORCH_VERSION}) + "\n")
-        if venv.exists():
-            shutil.rmtree(venv)
+        if venv.exists() or venv.is_symlink():
+            if (venv / _COMPLETE).is_file() and not venv.is_symlink():
+                shutil.rmtree(venv)  # an earlier complete venv of other pinned versions
+            else:
+                remove_dir(venv, kind=_VENV_KIND)  # refuses a directory draftsmith did not make
         os.replace(partial, venv)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)

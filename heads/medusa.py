@@ -44,10 +44,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import load_file
 from torch import nn
 
 from heads.artifact import load_artifact, read_artifact_config, save_artifact
+from heads.file_formats import load_safetensors, read_json_object
 from heads.output_dir import check_destination
 from heads.target import Target
 
@@ -441,8 +441,8 @@ def check_adapted_target(directory: str | os.PathLike, config: dict, target: Tar
     expected = Path(directory) / adapted.get("path", "target")
     recorded = None
     if target.path is not None and (Path(target.path) / "config.json").is_file():
-        info = json.loads((Path(target.path) / "config.json").read_text()).get(
-            ADAPTED_TARGET_INFO_KEY)
+        info = read_json_object(Path(target.path) / "config.json",
+                                fix="the target directory is damaged").get(ADAPTED_TARGET_INFO_KEY)
         recorded = info.get("digest") if isinstance(info, dict) else None
     if recorded is None or recorded != adapted.get("digest"):
         raise ValueError(
@@ -456,14 +456,21 @@ def check_adapted_target(directory: str | os.PathLike, config: dict, target: Tar
 
 def load_medusa(directory: str | os.PathLike, target: Target | None = None,
                 device: torch.device | str | None = None,
-                dtype: torch.dtype | None = None) -> MedusaArtifact:
+                dtype: torch.dtype | None = None, *,
+                allow_other_weights: bool = False) -> MedusaArtifact:
     """Read a Medusa artifact; with ``target``, check it was trained for it and bind a shared head.
 
     Heads land on ``device`` / in ``dtype`` (default: the target's, else CPU and stored dtype).
+    ``allow_other_weights``: accept a target of the same shapes whose weights differ from the
+    ones the heads were trained on (see :meth:`heads.target.Target.check_identity`).
     """
     config, state = load_artifact(directory, METHOD)
     if target is not None:
-        target.check_identity(config.get("target", {}), what=f"Medusa artifact {directory}")
+        # a Medusa-2 artifact records the original target and is checked against its adapted
+        # copy by the digest of every weight (check_adapted_target), not by the fingerprint
+        adapted = bool(config.get("adapted_target"))
+        target.check_identity(config.get("target", {}), what=f"Medusa artifact {directory}",
+                              allow_other_weights=allow_other_weights or adapted)
         check_adapted_target(directory, config, target)
     cfg = MedusaConfig.from_dict(config)
     if cfg.share_lm_head and target is None:
@@ -748,16 +755,17 @@ def load_medusa_export(directory: str | os.PathLike) -> MedusaHeads:
     cfg_path = directory / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{directory} has no config.json: not an exported Medusa model")
-    meta = json.loads(cfg_path.read_text())
+    fix = "the export is damaged or incomplete: export or download it again"
+    meta = read_json_object(cfg_path, fix=fix)
     if "method" in meta:
         raise FileNotFoundError(f"{directory} is a draftsmith artifact, read with load_medusa")
     if (directory / _TRTLLM_WEIGHTS).is_file():
-        state = load_file(str(directory / _TRTLLM_WEIGHTS))
+        state = load_safetensors(directory / _TRTLLM_WEIGHTS, fix=fix)
         n = _field(meta, "medusa_num_layers", directory, default=1)
         k, mine = _from_numbered(state, n, directory)
     elif (directory / _VLLM_WEIGHTS).is_file() and any(
             key in meta for key in ("num_heads", "medusa_num_heads")):
-        state = load_file(str(directory / _VLLM_WEIGHTS))
+        state = load_safetensors(directory / _VLLM_WEIGHTS, fix=fix)
         n = _field(meta, "num_hidden_layers" if "num_hidden_layers" in meta
                    else "medusa_num_layers", directory, default=1)
         if any(_NUMBERED.fullmatch(key.removeprefix("medusa_heads.")) for key in state):
@@ -803,7 +811,8 @@ def load_medusa_export(directory: str | os.PathLike) -> MedusaHeads:
 
 def export_tree(directory: str | os.PathLike, num_heads: int) -> list[RankPath]:
     """An export's tree: its ``medusa_choices`` (cut to the heads it has), else each head's top-1."""
-    meta = json.loads((Path(directory) / "config.json").read_text())
+    meta = read_json_object(Path(directory) / "config.json",
+                            fix="the export is damaged: export or download it again")
     choices = meta.get("medusa_choices")
     if not choices:
         return default_chain(num_heads)

@@ -14,6 +14,13 @@ same ``kind`` (an earlier export replaced by a new export), or when the user ask
 (``overwrite=True``, the CLIs' ``--overwrite``). Never, not even with ``overwrite``, when ``dest``
 is or contains one of the ``protect`` paths (the source of the operation). Anything else is
 refused with a :class:`ValueError` that names the directory and what to do.
+
+When several processes fill one directory (a training checkpoint: every process saves its own
+part), the two halves of ``write_dir`` are used apart: :func:`stage_dir` makes the marked staging
+directory (under a fixed name every process knows), the processes write into it, and one of them
+calls :func:`commit_dir`. The marker is written when the staging directory is made, so whatever a
+crash leaves behind is recognisably draftsmith's: :func:`remove_dir` deletes only a directory that
+is empty or carries the marker of the expected kind.
 """
 
 from __future__ import annotations
@@ -95,6 +102,27 @@ def check_destination(
     )
 
 
+def check_writable(path: str | os.PathLike, what: str = "output directory") -> Path:
+    """Refuse a directory path that cannot be created or written; -> its absolute path.
+
+    Checks without writing anything: ``path`` (or, while it does not exist, its nearest existing
+    ancestor) must be a writable directory. Call it before long work, so that a bad output path
+    fails at once rather than after the work is done.
+    """
+    path = Path(path).expanduser().absolute()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{what} {path} cannot be created: {existing} is a file, not a "
+                         "directory; choose another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "is not writable" if existing == path else f"cannot be created in {existing}"
+        raise ValueError(f"{what} {path} {where} (no write permission, or a read-only file "
+                         "system); choose a path you can write")
+    return path
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -120,6 +148,91 @@ def _finish_tree(root: Path) -> None:
         _fsync(here)
 
 
+def _write_marker(directory: Path, kind: str, marker: dict | None) -> None:
+    info = {"written_by": "draftsmith", "kind": kind, **(marker or {})}
+    (directory / MARKER).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+
+
+def remove_dir(path: str | os.PathLike, *, kind: str) -> None:
+    """Delete a directory draftsmith wrote: one that is empty or carries the marker of ``kind``.
+
+    Anything else (a symbolic link, a file, a directory without that marker) is refused with a
+    :class:`ValueError` naming it; nothing is deleted then.
+    """
+    path = Path(path)
+    if path.is_symlink() or not path.is_dir():
+        raise ValueError(f"{path} is not a directory draftsmith wrote; remove it yourself if it "
+                         "is not needed")
+    if not any(path.iterdir()):
+        path.rmdir()
+        return
+    marker = read_marker(path)
+    if marker is None or marker.get("kind") != kind:
+        raise ValueError(f"{path} is not a {kind} directory draftsmith wrote (no {MARKER} marker "
+                         f"of kind {kind!r}); it is left as it is: move or remove it yourself")
+    shutil.rmtree(path)
+
+
+def stage_dir(dest: str | os.PathLike, *, kind: str, marker: dict | None = None,
+              name: str | None = None) -> Path:
+    """A new staging directory beside ``dest``, marked at once, for :func:`commit_dir`.
+
+    ``name`` gives it a fixed name (so that every process of a run finds it); an earlier staging
+    directory of that name, left by a crash, is removed first (:func:`remove_dir`: only if it is
+    empty or marked as ``kind``). Without ``name`` the name is unique (``.<dest>.tmp-XXXX``).
+    """
+    dest = Path(dest).expanduser()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if name is None:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    else:
+        tmp = dest.parent / name
+        if tmp.exists() or tmp.is_symlink():
+            remove_dir(tmp, kind=kind)
+        tmp.mkdir()
+    _write_marker(tmp, kind, marker)
+    return tmp
+
+
+def commit_dir(
+    tmp: str | os.PathLike,
+    dest: str | os.PathLike,
+    *,
+    kind: str,
+    overwrite: bool = False,
+    protect: Iterable[str | os.PathLike] = (),
+) -> Path:
+    """Finish a staged directory (modes, fsync) and rename it to ``dest``; -> ``dest``.
+
+    ``dest`` is replaced under :func:`check_destination`'s rules. On any failure the staged
+    directory is removed and a previous ``dest`` is kept (or put back).
+    """
+    tmp = Path(tmp)
+    dest = Path(dest).expanduser()
+    protect = list(protect)
+    old: Path | None = None
+    try:
+        _finish_tree(tmp)
+        # checked just before the swap: the destination may have changed while tmp was filled
+        check_destination(dest, kind=kind, overwrite=overwrite, protect=protect)
+        if dest.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+            _write_marker(old, kind, None)  # a crash here leaves a holder that is ours to delete
+            os.replace(dest, old / dest.name)
+        os.replace(tmp, dest)
+        _fsync(dest.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and (old / dest.name).exists() and not dest.exists():
+            os.replace(old / dest.name, dest)  # put the previous directory back
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return dest
+
+
 def write_dir(
     dest: str | os.PathLike,
     fill: Callable[[Path], None],
@@ -136,29 +249,10 @@ def write_dir(
     """
     protect = list(protect)
     check_destination(dest, kind=kind, overwrite=overwrite, protect=protect)
-    dest = Path(dest).expanduser()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    old: Path | None = None
+    tmp = stage_dir(dest, kind=kind, marker=marker)
     try:
         fill(tmp)
-        info = {"written_by": "draftsmith", "kind": kind, **(marker or {})}
-        (tmp / MARKER).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-        _finish_tree(tmp)
-        # checked again just before the swap: the destination may have changed during fill
-        check_destination(dest, kind=kind, overwrite=overwrite, protect=protect)
-        if dest.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
-            os.replace(dest, old / dest.name)
-        os.replace(tmp, dest)
-        _fsync(dest.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and (old / dest.name).exists() and not dest.exists():
-            os.replace(old / dest.name, dest)  # put the previous directory back
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
         raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return dest
+    return commit_dir(tmp, dest, kind=kind, overwrite=overwrite, protect=protect)

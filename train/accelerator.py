@@ -21,6 +21,8 @@ from accelerate.utils import (
     set_seed,
 )
 
+from train.signals import follow_launcher
+
 
 def _device_backend_available() -> bool:
     """Whether a device accelerate would run a multi-process job on (CUDA, XPU, NPU, ...) exists."""
@@ -68,9 +70,11 @@ def make_accelerator(cfg) -> Accelerator:
     timeout), then the seed.
 
     Call it first: the seed must be set before the head is built so that its initialisation is
-    the same on every process and in every rerun. ``dist_timeout_minutes`` bounds how long a
+    the same on every process and in every rerun; a process started by ``accelerate launch``
+    then also stops when its launcher is stopped (:func:`train.signals.follow_launcher`). ``dist_timeout_minutes`` bounds how long a
     collective waits for a slow process (NCCL's default is 10 minutes).
     """
+    follow_launcher()  # SIGTERM to `accelerate launch` alone reaches this process too
     cpu = launched_on_cpu()
     accelerator = Accelerator(
         cpu=cpu,

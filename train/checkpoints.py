@@ -10,9 +10,14 @@ Layout under ``<output_dir>/checkpoints/``::
 
     step_<N>/          accelerate's state (model.safetensors, optimizer.bin, random_states_<i>.pkl)
                        and trainer_state.json: step, data position, the config, the target identity
-    .tmp-step_<N>/     a save in progress, renamed to step_<N> once complete: a crash never leaves
-                       a half-written "latest" (only a step_<N> holding trainer_state.json counts)
+    .step_<N>.tmp-save/  a save in progress, renamed to step_<N> once complete: a crash never
+                       leaves a half-written "latest" (only a step_<N> holding trainer_state.json
+                       counts)
     damaged-step_<N>/  a checkpoint found damaged when resuming from an older one (kept, not used)
+
+Every directory here is written through heads/output_dir.py and carries its ``.draftsmith``
+marker (kind ``checkpoint``) from the moment it is made; saving and pruning delete or replace only
+directories that carry it or are complete checkpoints, never anything else.
 
 Before loading, every part of a checkpoint is checked (the weights' header, the optimizer state,
 every process's random state, trainer_state.json); a damaged one is reported by name with the
@@ -34,8 +39,16 @@ from pathlib import Path
 
 from accelerate import Accelerator
 from accelerate.utils import load as accelerate_load
-from safetensors import safe_open
 
+from heads.file_formats import FileFormatError, read_json_object, safetensors_problem
+from heads.output_dir import (
+    check_destination,
+    check_writable,
+    commit_dir,
+    read_marker,
+    remove_dir,
+    stage_dir,
+)
 from train.batches import BatchPlan
 from train.config import config_diff, config_to_dict, may_change_on_resume, save_config
 
@@ -43,6 +56,9 @@ STATE_FILE = "trainer_state.json"
 FORMAT_VERSION = 2
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _RESULTS = ("artifact", "metrics.jsonl")
+CHECKPOINT_KIND = "checkpoint"  # the heads.output_dir marker kind of a checkpoint directory
+# identity keys that say where the target was found, not what it is
+_TARGET_LOCATION = ("path", "hub_id")
 
 
 @dataclass
@@ -96,16 +112,15 @@ def step_of(path: Path) -> int:
 
 
 def read_checkpoint_state(path: str | os.PathLike) -> dict:
-    """The trainer_state.json of a checkpoint directory."""
+    """The trainer_state.json of a checkpoint directory (a damaged one is a
+    :class:`heads.file_formats.FileFormatError`)."""
     file = Path(path) / STATE_FILE
     if not file.is_file():
         raise ValueError(f"{path} is not a complete draftsmith checkpoint (no {STATE_FILE})")
-    try:
-        recorded = json.loads(file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{file} is damaged (not valid JSON: {err})") from None
-    if not isinstance(recorded, dict) or not isinstance(recorded.get("step"), int):
-        raise ValueError(f"{file} is damaged (no step recorded)")
+    fix = "the checkpoint is damaged: resume from another one"
+    recorded = read_json_object(file, fix=fix)
+    if not isinstance(recorded.get("step"), int):
+        raise FileFormatError(file, "records no step", fix)
     if recorded.get("format_version", 0) > FORMAT_VERSION:
         raise ValueError(f"{path} was written by a newer draftsmith (checkpoint format "
                          f"{recorded['format_version']} > {FORMAT_VERSION}); upgrade draftsmith")
@@ -134,14 +149,9 @@ def checkpoint_problems(path: str | os.PathLike) -> list[str]:
     if not weights:
         problems.append("no model weights (model.safetensors)")
     for file in weights:
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():
-                    handle.get_slice(name).get_shape()
-            if file.stat().st_size < 8:
-                raise OSError("empty")
-        except Exception as err:  # noqa: BLE001 - safetensors raises several types
-            problems.append(f"{file.name} is unreadable ({type(err).__name__}: {err})")
+        problem = safetensors_problem(file)
+        if problem:
+            problems.append(f"{file.name} {problem}")
     optimizers = sorted(path.glob("optimizer*.bin"))
     if not optimizers:
         problems.append("no optimizer state (optimizer.bin)")
@@ -166,32 +176,18 @@ def checkpoint_problems(path: str | os.PathLike) -> list[str]:
     return problems
 
 
-def _fsync_tree(directory: Path) -> None:
-    """Flush a finished checkpoint to disk before it is renamed into place."""
-    for root, _, files in os.walk(directory):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as f:
-                os.fsync(f.fileno())
-
-
-def _fsync_dir(directory: Path) -> None:
-    if hasattr(os, "O_DIRECTORY"):
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 class Checkpointer:
     """Saves ``checkpoints/step_<N>`` atomically, prunes old ones, and resumes from them.
 
     Build it after ``accelerator.prepare`` (``resume`` loads into the prepared objects).
     ``target_identity`` is ``Target.identity()``: a checkpoint is refused by a run for another
-    target. A fresh run refuses an ``output_dir`` that already holds checkpoints (continue it with
+    target (name, shapes, weights fingerprint; the target's ``path`` and ``hub_id`` may change). A
+    fresh run refuses an ``output_dir`` that already holds checkpoints (continue it with
     ``--resume latest``) or the results of another run (an artifact or metrics.jsonl: replace them
-    with ``--overwrite``), so that nothing a user has is replaced by accident. Nothing is written
-    before the run has been accepted: a refused resume changes no file.
+    with ``--overwrite``), so that nothing a user has is replaced by accident; an ``output_dir``
+    that cannot be written, or an ``artifact/`` there that is not an artifact, is refused before
+    any training. Nothing is written before the run has been accepted: a refused resume changes no
+    file.
     """
 
     def __init__(self, accelerator: Accelerator, cfg, target_identity: dict, plan: BatchPlan):
@@ -202,6 +198,10 @@ class Checkpointer:
         self.plan = plan
         self.target_identity = dict(target_identity)
         self.last_saved_step: int | None = None
+        # before any training: a run that cannot write its results fails now, not at its end
+        check_writable(self.output_dir, what="output_dir")
+        check_destination(self.output_dir / "artifact", kind="artifact",
+                          overwrite=bool(cfg.overwrite))
         existing = latest_checkpoint(self.root)
         if cfg.resume is None and existing is not None:
             raise ValueError(
@@ -263,13 +263,17 @@ class Checkpointer:
                 f"{', '.join(map(repr, changed))} changed ({detail}); set them back to continue "
                 f"this run, or start a new run in another --output_dir")
         theirs = recorded.get("target", {})
-        wrong = [k for k in sorted(set(theirs) | set(self.target_identity))
-                 if theirs.get(k) != self.target_identity.get(k)]
+        # where the target lives may change (a moved directory); what it is may not. A key the
+        # checkpoint lacks (written before weights_fingerprint existed) has nothing to compare.
+        wrong = [k for k in sorted(theirs) if k not in _TARGET_LOCATION
+                 and theirs[k] != self.target_identity.get(k)]
         if wrong:
             detail = "; ".join(f"{k}: {theirs.get(k)!r} there, {self.target_identity.get(k)!r} "
                                f"here" for k in wrong)
+            where = theirs.get("path") or theirs.get("hub_id")
             raise ValueError(f"cannot resume from {path}: it was trained for another target "
-                             f"({detail}); resume with the target it was trained for")
+                             f"({detail}); resume with the target it was trained for"
+                             + (f" ({where})" if where else ""))
         theirs, mine = recorded["batches"], self.plan.budget
         if _step_rows(theirs) != _step_rows(mine):
             raise ValueError(
@@ -312,7 +316,10 @@ class Checkpointer:
         if self.accelerator.is_main_process:
             for damaged in newer:
                 aside = damaged.with_name(f"damaged-{damaged.name}")
-                shutil.rmtree(aside, ignore_errors=True)
+                count = 1
+                while aside.exists() or aside.is_symlink():  # an earlier one is kept too
+                    count += 1
+                    aside = damaged.with_name(f"damaged-{damaged.name}-{count}")
                 os.replace(damaged, aside)
                 self.accelerator.print(f"[draftsmith] damaged checkpoint {damaged} kept as "
                                        f"{aside}")
@@ -367,16 +374,19 @@ class Checkpointer:
         return bool(self.cfg.save_every) and state.step % self.cfg.save_every == 0
 
     def save(self, state: TrainState) -> Path:
-        """Write ``checkpoints/step_<N>`` atomically (every process must call it), then prune."""
+        """Write ``checkpoints/step_<N>`` atomically (every process must call it), then prune.
+
+        The main process stages a marked directory (:func:`heads.output_dir.stage_dir`), every
+        process saves its part of the state into it, trainer_state.json is written last, and
+        :func:`heads.output_dir.commit_dir` fsyncs it and renames it into place.
+        """
         final = self.root / f"step_{state.step}"
         if self.last_saved_step == state.step:
             return final
         accelerator = self.accelerator
-        tmp = self.root / f".tmp-step_{state.step}"
+        tmp = self.root / f".{final.name}.tmp-save"
         if accelerator.is_main_process:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
+            stage_dir(final, kind=CHECKPOINT_KIND, name=tmp.name, marker={"step": state.step})
         accelerator.wait_for_everyone()
         accelerator.save_state(str(tmp))
         accelerator.wait_for_everyone()
@@ -393,30 +403,37 @@ class Checkpointer:
             }
             # written last: its presence is what marks a checkpoint complete
             (tmp / STATE_FILE).write_text(json.dumps(record, indent=2))
-            _fsync_tree(tmp)
-            if final.exists():
-                old = self.root / f".old-step_{state.step}"
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old)
-            else:
-                os.replace(tmp, final)
-            _fsync_dir(self.root)
+            # a step_<N> that is neither marked nor complete is someone else's: refused
+            commit_dir(tmp, final, kind=CHECKPOINT_KIND, overwrite=_is_checkpoint(final))
             self.prune()
         accelerator.wait_for_everyone()
         self.last_saved_step = state.step
         return final
 
     def prune(self) -> None:
-        """Keep the newest ``keep_checkpoints``; remove leftovers of interrupted saves."""
+        """Keep the newest ``keep_checkpoints``; remove leftovers of interrupted saves.
+
+        Only directories that are draftsmith's checkpoints are deleted: complete ones
+        (trainer_state.json) and marked leftovers (``.step_<N>.tmp-*``, ``.step_<N>.old-*``).
+        """
         for child in self.root.iterdir():
-            if child.name.startswith((".tmp-step_", ".old-step_")):
-                shutil.rmtree(child, ignore_errors=True)
+            if child.name.startswith(".step_"):
+                try:
+                    remove_dir(child, kind=CHECKPOINT_KIND)  # marked, or empty
+                except (ValueError, OSError):
+                    continue  # not ours, or already gone: left as it is
         keep = self.cfg.keep_checkpoints
         if keep is not None:
             for old in list_checkpoints(self.root)[:-keep]:
                 shutil.rmtree(old)
+
+
+def _is_checkpoint(path: Path) -> bool:
+    """A directory draftsmith may replace or delete as a checkpoint: complete or marked."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    return (path / STATE_FILE).is_file() or \
+        (read_marker(path) or {}).get("kind") == CHECKPOINT_KIND
 
 
 def _step_rows(budget: dict) -> tuple:

@@ -344,7 +344,10 @@ def may_change_on_resume(cfg_or_cls: Any) -> list[str]:
 class TrainConfig:
     """Keys shared by every draftsmith trainer (each script's config subclasses this)."""
 
-    target: str = option("smollm2-135m", "target: embedded name, Hugging Face directory or .gguf")
+    target: str = option(
+        "smollm2-135m", "target: embedded name, Hugging Face directory or .gguf (a resume may name "
+        "it by another path; its name, shapes and weights must stay those of the checkpoint)",
+        may_change_on_resume=True)
     data: list[str] = option([], "training data: JSON/JSONL files or Hub dataset ids")
     max_length: int = option(2048, "longest training sequence in tokens (longer ones are cut)")
     output_dir: str = option(
@@ -442,6 +445,11 @@ class TrainConfig:
         if not self.dist_timeout_minutes > 0:
             raise ValueError(f"config key 'dist_timeout_minutes' must be > 0, got "
                              f"{self.dist_timeout_minutes}")
+        for f in dataclasses.fields(self):  # also when built directly, without parse_config
+            value = getattr(self, f.name)
+            values = value if isinstance(value, list) else [value]
+            if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+                raise ValueError(f"config key {f.name!r} must be a finite number, got {value}")
         for key in ("learning_rate",):
             if not getattr(self, key) > 0:
                 raise ValueError(f"config key {key!r} must be > 0, got {getattr(self, key)}")

@@ -225,7 +225,7 @@ def load_distill_rows(sources: Sequence[str], target: Target, max_length: int,
     rows whose prompt leaves no room for a continuation within ``max_length`` always are.
     """
     tokenizer = target.tokenizer
-    conversations, _ = read_conversations(sources)
+    conversations, read_report = read_conversations(sources)
     prompts = {(c["source"], c["row"]): _prompt_of(c["messages"]) for c in conversations}
     answered_any = any(m["role"] == "assistant" for c in conversations for m in c["messages"])
     lines: list[str] = []
@@ -248,6 +248,15 @@ def load_distill_rows(sources: Sequence[str], target: Target, max_length: int,
             else:
                 no_user += 1
     answered_rows = sum(r["answered"] for r in rows)
+    if not rows:  # nothing answered and no prompt to sample from: say why, row by row
+        for c in prompt_only:
+            has_user = any(m["role"] == "user" for m in c["messages"])
+            read_report.sources[c["source"]].skip(
+                c["row"], "no assistant turn" if has_user else "no user or assistant turn")
+        hint = ("\nprompt-only rows are trained on the draft's own samples when on_policy_ratio "
+                "is above 0" if prompt_only and not keep_prompt_only else "")
+        raise ValueError(f"no usable conversations in {list(sources)}:\n"
+                         f"{read_report.summary()}{hint}")
 
     texts, template_errors = [], 0
     for row in rows:
@@ -626,7 +635,7 @@ def export(cfg: DistillConfig, accelerator, target: Target, result: TrainResult)
         plain = merge_lora(module) if cfg.lora else module
         plain.eval()
         artifact = save_draft(plain, target.tokenizer, Path(cfg.output_dir) / "artifact",
-                              target.identity(), extra={
+                              target.identity(), overwrite=bool(cfg.overwrite), extra={
                                   "trainer": "train/distill.py", "draft": cfg.draft,
                                   "divergence": cfg.divergence, "beta": cfg.beta,
                                   "temperature": cfg.temperature,
