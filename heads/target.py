@@ -20,8 +20,10 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import itemgetter
 from pathlib import Path
@@ -289,7 +291,8 @@ def default_device_dtype(
     return dev, dtype
 
 
-def weights_fingerprint(model: nn.Module) -> str | None:
+def weights_fingerprint(model: nn.Module,
+                        read: Callable[[str, int], torch.Tensor] | None = None) -> str | None:
     """A short hash of a few of a causal LM's weights, to tell targets of the same shapes apart.
 
     Reads the first :data:`FINGERPRINT_ROWS` rows of the input embedding, the leading elements
@@ -297,13 +300,15 @@ def weights_fingerprint(model: nn.Module) -> str | None:
     them; the middle parameter for a model without ``layers``) and the final norm, in a fixed
     order, each with its name and full shape. Values are copied to the CPU and rounded to
     bfloat16 first, so one checkpoint gives one fingerprint whether it is loaded in float32 on a
-    CPU or in bfloat16 on a GPU; the LM head is not read, so tying does not matter. None while
-    weights are not materialised (meta tensors). Cheap: a few hundred thousand values for any
-    model.
+    CPU or in bfloat16 on a GPU; the LM head is not read, so tying does not matter. A weight not
+    materialised (a meta tensor) is read with ``read(parameter name, count)`` (its leading
+    ``count`` values, from the checkpoint), or the result is None. Cheap: a few hundred thousand
+    values for any model.
     """
     embed = model.get_input_embeddings().weight
     decoder = model.get_decoder()
     layers = getattr(decoder, "layers", None)
+    names = {id(p): n for n, p in model.named_parameters()}
     if layers is not None and len(layers):
         middle = len(layers) // 2
         group = [(f"layers.{middle}.{name}", p) for name, p in layers[middle].named_parameters()]
@@ -314,12 +319,16 @@ def weights_fingerprint(model: nn.Module) -> str | None:
     norm = getattr(decoder, "norm", None)
     finals = [] if norm is None else [(f"norm.{name}", p) for name, p in norm.named_parameters()]
     each = max(256, FINGERPRINT_ELEMENTS // max(1, len(group)))
-    parts = [("embed", embed, embed[:FINGERPRINT_ROWS])]
-    parts += [(name, p, p.reshape(-1)[:each]) for name, p in sorted(group, key=itemgetter(0))]
-    parts += [(name, p, p.reshape(-1)) for name, p in sorted(finals, key=itemgetter(0))]
+    parts = [("embed", embed, FINGERPRINT_ROWS * embed.shape[-1])]
+    parts += [(name, p, each) for name, p in sorted(group, key=itemgetter(0))]
+    parts += [(name, p, p.numel()) for name, p in sorted(finals, key=itemgetter(0))]
     digest = hashlib.sha256()
-    for name, whole, values in parts:
-        if whole.is_meta:
+    for name, whole, count in parts:
+        if not whole.is_meta:
+            values = whole.detach().reshape(-1)[:count]
+        elif read is not None:
+            values = read(names[id(whole)], count)
+        else:
             return None
         # float32 first, as a float32 load of the same checkpoint would hold them
         values = values.detach().to("cpu").float().to(torch.bfloat16).contiguous()
@@ -350,6 +359,9 @@ class Target:
     name: str
     path: Path | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # weights_fingerprint, when the loader computed it from the checkpoint (a model loaded in
+    # parts cannot compute it from its own weights)
+    fingerprint: str | None = None
 
     @property
     def config(self):
@@ -413,7 +425,7 @@ class Target:
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_layers,
-            "weights_fingerprint": weights_fingerprint(self.model),
+            "weights_fingerprint": self.fingerprint or weights_fingerprint(self.model),
             "hub_id": target_hub_id(self.path if self.path is not None else self.name),
             "path": str(Path(self.path).resolve()) if self.path is not None else None,
         }
@@ -497,11 +509,12 @@ def eos_ids_of(model: nn.Module, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def wrap_target(model: nn.Module, tokenizer=None, name: str = "model", path=None) -> Target:
+def wrap_target(model: nn.Module, tokenizer=None, name: str = "model", path=None,
+                fingerprint: str | None = None) -> Target:
     """Freeze an already-built causal LM and wrap it (tests use this with tiny random models)."""
     freeze(model)
     return Target(model=model, tokenizer=tokenizer, name=name, path=path,
-                  eos_token_ids=eos_ids_of(model, tokenizer))
+                  eos_token_ids=eos_ids_of(model, tokenizer), fingerprint=fingerprint)
 
 
 def load_target(
@@ -524,9 +537,11 @@ def load_target(
     return wrap_target(model, tokenizer, name=name, path=path)
 
 
-def _read_checkpoint_tensors(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
+def _read_checkpoint_tensors(path: Path, names: list[str],
+                             leading: int | None = None) -> dict[str, torch.Tensor]:
     """The named tensors of a safetensors model directory (one file or an index of shards),
-    read without touching the others."""
+    read without touching the others; with ``leading``, only the rows holding each tensor's
+    first ``leading`` values (flattened)."""
     from safetensors import safe_open
 
     index = path / "model.safetensors.index.json"
@@ -548,7 +563,17 @@ def _read_checkpoint_tensors(path: Path, names: list[str]) -> dict[str, torch.Te
             raise ValueError(f"{index} names {file!r}, outside {path}")
         with safe_open(str(target), framework="pt") as handle:
             present = set(handle.keys())
-            tensors.update({n: handle.get_tensor(n) for n in wanted if n in present})
+            for n in wanted:
+                if n not in present:
+                    continue
+                if leading is None:
+                    tensors[n] = handle.get_tensor(n)
+                    continue
+                part = handle.get_slice(n)
+                shape = part.get_shape()
+                row = max(1, math.prod(shape[1:]))
+                rows = part[: -(-leading // row)] if shape else part[:]
+                tensors[n] = rows.reshape(-1)[:leading]
     return tensors
 
 
@@ -604,4 +629,13 @@ def load_target_parts(
                          f"embedding; load the whole target with load_target")
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     name = str(spec) if str(spec) in EMBEDDED_TARGETS else Path(spec).name
-    return wrap_target(model, tokenizer, name=name, path=path)
+
+    def read(parameter: str, count: int) -> torch.Tensor:  # the layers' leading values, on disk
+        found = _read_checkpoint_tensors(path, [parameter], leading=count)
+        if parameter not in found:
+            raise ValueError(f"{path}: the checkpoint has no {parameter!r}; load the whole "
+                             f"target with load_target")
+        return found[parameter]
+
+    return wrap_target(model, tokenizer, name=name, path=path,
+                       fingerprint=weights_fingerprint(model, read))

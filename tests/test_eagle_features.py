@@ -259,7 +259,7 @@ def test_another_target_layer_set_data_or_dtype_is_refused_and_nothing_changes(f
     assert write_feature_cache(target, rows, directory, config, max_file_bytes=8000) == directory
     other_target = load_target(files.other_dir, dtype=torch.float64)  # same shapes, other weights
     attempts = {
-        "target_fingerprint": (other_target, rows, config, {}),
+        "weights_fingerprint": (other_target, rows, config, {}),
         # a 4-layer target has one EAGLE-3 layer set (1, 2, 3): another set is EAGLE-1's (4,)
         "aux_layer_ids": (target, rows, EagleConfig.from_target(target, 1), {}),
         "dataset": (target, rows[:-1] + [rows[0]], config, {}),
@@ -273,7 +273,7 @@ def test_another_target_layer_set_data_or_dtype_is_refused_and_nothing_changes(f
     assert cache_bytes(directory) == before
     assert {p.name: p.stat().st_mtime_ns for p in directory.iterdir()} == stamps
 
-    with pytest.raises(ValueError, match="written from other weights"):
+    with pytest.raises(ValueError, match="same shapes and other weights"):
         FeatureCache(directory, config, other_target)
     with pytest.raises(ValueError, match="does not fit this head"):
         FeatureCache(directory, EagleConfig.from_target(target, 1))

@@ -71,7 +71,7 @@ from heads.target import Target
 from train.data import collate_causal_lm
 
 FORMAT = "draftsmith-feature-cache"
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 INDEX = "index.json"
 DEFAULT_MAX_FILE_BYTES = 256 << 20
 _FILE_NAME = re.compile(r"features-\d{5}\.safetensors")
@@ -117,14 +117,10 @@ def _numpy_rows(dataset):
     return with_format("numpy") if with_format is not None else dataset
 
 
-def _target_fingerprint(target: Target) -> str:
-    """A hash of weights the offline loss reads (the final norm, a few embedding and LM-head
-    rows), rounded to bf16 so fp32 and bf16 loads of one checkpoint agree."""
-    digest = hashlib.sha256()
-    for tensor in (target.norm.weight, target.embed.weight[:16], target.lm_head.weight[-16:]):
-        digest.update(tensor.detach().to("cpu", torch.bfloat16).view(torch.int16).numpy()
-                      .tobytes())
-    return digest.hexdigest()[:16]
+def _target_record(target: Target) -> dict:
+    """What the cache records about its target: name, shapes and the weights' fingerprint (not
+    where the target was loaded from: a moved target directory still fits its cache)."""
+    return {k: v for k, v in target.identity().items() if k not in ("path", "hub_id")}
 
 
 def _plan(dataset, config: EagleConfig, dtype: torch.dtype, max_file_bytes: int
@@ -173,8 +169,7 @@ def _key(target: Target, config: EagleConfig, dtype: torch.dtype, max_file_bytes
         "feature_layers": list(config.feature_layers),
         "hidden_size": config.target_hidden_size,
         "dtype": _dtype_name(dtype),
-        "target": target.identity(),
-        "target_fingerprint": _target_fingerprint(target),
+        "target": _target_record(target),
         "max_file_bytes": max_file_bytes,
     }
 
@@ -445,11 +440,6 @@ class FeatureCache(Dataset):
         if target is not None:
             what = f"feature cache {self.directory}"
             target.check_identity(self.index["target"], what=what)
-            if self.index["target_fingerprint"] != _target_fingerprint(target):
-                raise ValueError(f"the {what} was written from other weights than "
-                                 f"{target.name!r} has (fingerprint {self.index['target_fingerprint']}"
-                                 f" there, {_target_fingerprint(target)} here); write a cache "
-                                 f"from this target")
         self.files = self.index["files"]
         incomplete = [f["file"] for f in self.files if not _complete(self.directory, f)]
         if incomplete:
