@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from heads.file_formats import FileFormatError
 from heads.target import resolve_target
 from train import data
 from train.data import (
@@ -329,7 +330,7 @@ def test_bad_sources_are_clear_errors(tokenizer, tmp_path):
         read_conversations(str(bad_line))
     bad_array = tmp_path / "bad.json"
     bad_array.write_text("[\n" + json.dumps(GSM8K[0]) + ",\n{oops}\n]")
-    with pytest.raises(ValueError, match=r"bad.json: not valid JSON at line 3"):
+    with pytest.raises(ValueError, match=r"bad.json: is not valid JSON at line 3"):
         read_conversations(str(bad_array))
     unknown = write(tmp_path, "unknown.jsonl", [{"prompt": "a", "completion": "b"}])
     with pytest.raises(ValueError, match=r"keys \['completion', 'prompt'\].*accepted formats: "
@@ -468,3 +469,15 @@ def test_jsonl_strings_may_hold_unicode_line_separators(tmp_path):
     path.write_text(json.dumps(row, ensure_ascii=False) + "\n", encoding="utf-8")
     conversations, report = read_conversations([str(path)])
     assert [m["content"] for m in conversations[0]["messages"]] == ["a\u2028b\x85c", "d\u2029e"]
+
+
+def test_a_data_file_with_a_non_utf8_byte_is_named(tmp_path):
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(b'{"question": "caf\xe9?", "answer": "yes"}\n')
+    with pytest.raises(FileFormatError, match=r"latin1.jsonl: is not UTF-8 text \(byte 17, "
+                                              r"line 1, is 0xe9\); save it as UTF-8"):
+        read_conversations([str(bad)])
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"question": "a", "answer": "b"}\n{"question": \n')
+    with pytest.raises(FileFormatError, match=r"broken.jsonl: line 2 is not valid JSON"):
+        read_conversations([str(broken)])

@@ -83,6 +83,7 @@ import torch
 from jinja2.exceptions import TemplateError
 from tqdm.auto import tqdm
 
+from heads.file_formats import FileFormatError
 from heads.target import Target, cache_root
 
 ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
@@ -342,13 +343,21 @@ def _read_rows(source: str) -> Sequence:
     if not _is_local(source):
         return _hub_dataset(source)
     path = _local_path(source)
-    text = path.read_text(encoding="utf-8")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise FileFormatError(path, f"is not UTF-8 text (byte {err.start}, line {line}, is "
+                              f"{data[err.start]:#04x})", "save it as UTF-8 (e.g. iconv -f "
+                              "latin1 -t utf-8) or remove the row") from None
     if text.lstrip().startswith("["):
         try:
             return json.loads(text)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{source}: not valid JSON at line {err.lineno}, column "
-                             f"{err.colno}: {err.msg}") from None
+            raise FileFormatError(path, f"is not valid JSON at line {err.lineno}, column "
+                                  f"{err.colno} ({err.msg})", "fix that line, or give one JSON "
+                                  "object per line (JSONL)") from None
     rows = []
     # JSONL lines end at \n only: str.splitlines() would also split inside strings holding
     # U+2028, U+0085 and the like, which json.dumps(ensure_ascii=False) writes raw
@@ -358,8 +367,9 @@ def _read_rows(source: str) -> Sequence:
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as err:
-            raise ValueError(f"{source}: line {lineno} is not valid JSON ({err.msg}); expected a "
-                             f"JSON array of rows or one JSON object per line (JSONL)") from None
+            raise FileFormatError(path, f"line {lineno} is not valid JSON ({err.msg})",
+                                  "expected a JSON array of rows or one JSON object per line "
+                                  "(JSONL)") from None
     return rows
 
 
@@ -1355,7 +1365,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         from heads.target import resolve_target
 
-        tokenizer = AutoTokenizer.from_pretrained(str(resolve_target(args.target)))
+        tokenizer = AutoTokenizer.from_pretrained(str(resolve_target(args.target)),
+                                                  trust_remote_code=False)
         dataset, report = load_sft_dataset(args.data, tokenizer, max_length=args.max_length,
                                            cache_dir=args.cache_dir, num_proc=args.num_proc)
         print(report.summary())
@@ -1371,8 +1382,9 @@ def _openai_backend(args, parser) -> OpenAIBackend:
     if not args.url or not args.model:
         parser.error("--backend openai needs --url (e.g. http://127.0.0.1:8000/v1) and --model")
     path = resolve_target(args.target)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    context = getattr(AutoConfig.from_pretrained(str(path)), "max_position_embeddings", None)
+    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    context = getattr(AutoConfig.from_pretrained(str(path), trust_remote_code=False),
+                      "max_position_embeddings", None)
     return OpenAIBackend(args.url, args.model, tokenizer, concurrency=args.concurrency,
                          max_context=context, timeout=args.timeout, retries=args.retries,
                          api_key=args.api_key)

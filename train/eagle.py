@@ -286,7 +286,8 @@ def export(cfg: EagleTrainConfig, accelerator, target: Target, config: EagleConf
     if accelerator.is_main_process and result.completed:
         state_dict = {name.removeprefix("head."): tensor for name, tensor in weights.items()}
         artifact = save_artifact(Path(cfg.output_dir) / "artifact", config.method,
-                                 config.to_dict(), state_dict, target.identity())
+                                 config.to_dict(), state_dict, target.identity(),
+                                 overwrite=cfg.overwrite)
         accelerator.print(
             f"[draftsmith] {config.method} head written to {artifact}\n"
             f"  export:  python -m heads.export {artifact} --format vllm --out "

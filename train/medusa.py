@@ -564,7 +564,7 @@ def save_adapted_target(model: nn.Module, tokenizer, out_dir: Path, base_identit
 
 
 def write_artifact(out_dir: Path, heads: MedusaHeads, target: Target, tree, tree_info: dict,
-                   extra: dict, adapted: nn.Module | None = None) -> Path:
+                   extra: dict, adapted: nn.Module | None = None, overwrite: bool = False) -> Path:
     """Heads (+ the adapted target in ``target/`` for Medusa-2), written atomically."""
     extra = dict(extra)
     if adapted is not None:
@@ -578,7 +578,8 @@ def write_artifact(out_dir: Path, heads: MedusaHeads, target: Target, tree, tree
             save_adapted_target(adapted, target.tokenizer, staged / "target", target.identity(),
                                 extra["adapted_target"]["digest"])
 
-    return write_dir(out_dir, fill, kind="artifact")
+    return write_dir(out_dir, fill, kind="artifact", overwrite=overwrite,
+                     marker={"method": "medusa"})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -679,7 +680,8 @@ def export(cfg: MedusaTrainConfig, accelerator, target: Target, heldout: HeldOut
                               "lora": {"r": cfg.lora_r, "alpha": cfg.lora_alpha,
                                        "target_modules": cfg.lora_target_modules}})
             artifact = write_artifact(Path(cfg.output_dir) / "artifact", module.heads, target,
-                                      tree, tree_info, extra, adapted)
+                                      tree, tree_info, extra, adapted,
+                                      overwrite=cfg.overwrite)
         record = {"step": state.step, "final/expected_tau": tree_info.get("expected_tau"),
                   "final/tree_nodes": len(tree),
                   "final/predicted_speedup": tree_info.get("predicted_speedup")}
