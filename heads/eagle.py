@@ -1110,14 +1110,20 @@ def save_eagle(head: EagleHead, directory: str | os.PathLike, target: Target) ->
 
 
 def load_eagle(
-    directory: str | os.PathLike, target: Target, dtype: torch.dtype | None = None
+    directory: str | os.PathLike,
+    target: Target,
+    dtype: torch.dtype | None = None,
+    *,
+    allow_other_weights: bool = False,
 ) -> EagleHead:
-    """Rebuild a saved head on ``target``; refuses an artifact trained for another target."""
+    """Rebuild a saved head on ``target``; refuses an artifact trained for another target (other
+    shapes; or other weights of the same shapes unless ``allow_other_weights``)."""
     directory = Path(directory)
     if not directory.exists():
         raise FileNotFoundError(f"EAGLE artifact {directory} does not exist")
     meta, state = load_artifact(directory, ("eagle1", "eagle3"), device=target.device)
-    target.check_identity(meta.get("target", {}), what=f"EAGLE artifact {directory}")
+    target.check_identity(meta.get("target", {}), what=f"EAGLE artifact {directory}",
+                          allow_other_weights=allow_other_weights)
     config = EagleConfig.from_dict(meta)
     if meta["method"] != config.method:
         raise ValueError(f"{directory}: method {meta['method']!r} but version {config.version}")

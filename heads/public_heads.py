@@ -278,17 +278,20 @@ def _vocab_maps(state: dict, cfg: EagleConfig, directory: Path):
 
 
 def load_eagle_head(directory: str | os.PathLike, target: Target,
-                    dtype: torch.dtype | None = None) -> EagleHead:
+                    dtype: torch.dtype | None = None, *,
+                    allow_other_weights: bool = False) -> EagleHead:
     """An EagleHead on ``target`` from a draftsmith artifact, an export or a published head.
 
-    ``dtype`` defaults to the target's (as :func:`heads.eagle.load_eagle`).
+    ``dtype`` defaults to the target's (as :func:`heads.eagle.load_eagle`);
+    ``allow_other_weights`` accepts a target of the recorded shapes with other weights.
     """
     directory = Path(directory)
     if not directory.exists():
         raise FileNotFoundError(f"EAGLE head directory {directory} does not exist")
     config = read_config(directory)
     if config.get("method") in ("eagle1", "eagle3"):
-        return load_eagle(directory, target, dtype=dtype)
+        return load_eagle(directory, target, dtype=dtype,
+                          allow_other_weights=allow_other_weights)
     version, layout = eagle_layout(config, directory)
     llama = config.get("transformer_layer_config") or config if layout == "speculators" else config
     flags = {**llama, **config}
@@ -301,7 +304,8 @@ def load_eagle_head(directory: str | os.PathLike, target: Target,
                          "draftsmith's head does not implement; it cannot be evaluated here")
     recorded = _recorded_identity(config)
     if recorded:
-        target.check_identity(recorded, what=f"export {directory}")
+        target.check_identity(recorded, what=f"export {directory}",
+                              allow_other_weights=allow_other_weights)
     state = _our_names(read_safetensors(directory), version, layout, directory)
     cfg = _eagle_config(config, llama, version, state, target, directory)
     bias = state.pop("fc.bias", None)
@@ -350,7 +354,8 @@ def load_eagle_head(directory: str | os.PathLike, target: Target,
 
 def load_medusa_heads(directory: str | os.PathLike, target: Target,
                       device: torch.device | str | None = None,
-                      dtype: torch.dtype | None = None) -> MedusaArtifact:
+                      dtype: torch.dtype | None = None, *,
+                      allow_other_weights: bool = False) -> MedusaArtifact:
     """A MedusaArtifact for ``target`` from a draftsmith artifact or a Medusa serving layout.
 
     An export's tree is its ``medusa_choices`` (cut to its heads), else each head's top-1 chain;
@@ -361,10 +366,12 @@ def load_medusa_heads(directory: str | os.PathLike, target: Target,
         raise FileNotFoundError(f"Medusa head directory {directory} does not exist")
     config = read_config(directory)
     if config.get("method") == "medusa":
-        return load_medusa(directory, target, device=device, dtype=dtype)
+        return load_medusa(directory, target, device=device, dtype=dtype,
+                           allow_other_weights=allow_other_weights)
     recorded = _recorded_identity(config)
     if recorded:
-        target.check_identity(recorded, what=f"export {directory}")
+        target.check_identity(recorded, what=f"export {directory}",
+                              allow_other_weights=allow_other_weights)
     heads = load_medusa_export(directory)
     cfg = heads.config
     if cfg.hidden_size != target.hidden_size or cfg.vocab_size != target.vocab_size:
