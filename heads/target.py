@@ -178,7 +178,9 @@ def _converted_dir(gguf_path: Path, name: str | None = None) -> Path:
 
 
 def resolve_target(spec: str | os.PathLike) -> Path:
-    """Turn a target name into a Hugging Face model directory on disk."""
+    """Turn a target name into a Hugging Face model directory on disk: a directory, a ``.gguf``
+    file (converted once), an embedded name, or a hub id already in the local Hugging Face cache
+    (``meta-llama/Llama-3.1-8B-Instruct`` after ``huggingface-cli download``)."""
     text = str(spec)
     if text in EMBEDDED_TARGETS:
         return _converted_dir(embedded_gguf_path(text), name=text)
@@ -190,9 +192,20 @@ def resolve_target(spec: str | os.PathLike) -> Path:
             raise FileNotFoundError(f"target directory {path} has no config.json")
         check_model_directory(path, what="target")
         return path
+    if is_hub_id(text):  # a hub id: the copy in the local Hugging Face cache, never a download
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            return Path(snapshot_download(text, local_files_only=True))
+        except LocalEntryNotFoundError:
+            raise FileNotFoundError(
+                f"target {text!r} is not in the local Hugging Face cache and draftsmith never "
+                f"downloads at run time: download it first (huggingface-cli download {text}), "
+                f"or give the model directory") from None
     raise FileNotFoundError(
-        f"unknown target {text!r}: give a Hugging Face model directory, a .gguf file, or one of "
-        f"the embedded names {sorted(EMBEDDED_TARGETS)}"
+        f"unknown target {text!r}: give a Hugging Face model directory, a hub id downloaded to "
+        f"the local cache, a .gguf file, or one of the embedded names {sorted(EMBEDDED_TARGETS)}"
     )
 
 

@@ -28,6 +28,7 @@ from heads.target import (
     gguf_problem,
     load_target,
     resolve_target,
+    target_hub_id,
     weights_fingerprint,
     wrap_target,
 )
@@ -252,3 +253,19 @@ def test_a_damaged_target_config_names_the_file(tmp_path):
                                               r"target directory is damaged"):
         load_target(str(directory), device="cpu")
     shutil.rmtree(directory)
+
+
+def test_a_hub_id_resolves_to_the_local_cache_and_is_never_downloaded(tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--acme--tiny-lm" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (cache / "models--acme--tiny-lm" / "refs").mkdir()
+    (cache / "models--acme--tiny-lm" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    assert resolve_target("acme/tiny-lm") == snapshot
+    assert target_hub_id(snapshot) == "acme/tiny-lm"
+    with pytest.raises(FileNotFoundError, match=r"'acme/absent' is not in the local Hugging Face "
+                                                r"cache .*huggingface-cli download acme/absent"):
+        resolve_target("acme/absent")
