@@ -12,11 +12,11 @@ import copy
 import json
 import random
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from medusa_reference import medusa_loss, rank_hits
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -26,7 +26,7 @@ from distill.losses import forward_kl, next_token_mask
 from eval.engine import SpeculativeEngine
 from eval.medusa import MedusaProposer
 from eval.sampling import SamplingParams
-from heads.medusa import MedusaHeads, export_medusa, load_medusa, medusa_loss, rank_hits
+from heads.medusa import MedusaHeads, export_medusa, load_medusa
 from heads.target import load_target, resolve_target, wrap_target
 from train.checkpoints import GracefulStop
 from train.config import config_from_dict, config_to_dict, parse_config
@@ -353,13 +353,12 @@ def test_medusa1_artifact_loads_in_the_evaluator_and_decodes_greedily_exactly(fi
     _, result = medusa1
     target = load_target(files["target"])
     info = result["tree_info"]
-    assert info["node_budget"] == len(result["tree"]) and "verify_seconds" in info
+    assert info["tree_nodes"] == len(result["tree"]) and "verify_seconds" in info
     assert len(info["rank_accuracies"]) == 2 and len(info["rank_accuracies"][0]) == 10
     proposer = MedusaProposer.from_artifact(result["artifact"], target)
     assert proposer.tree.paths == result["tree"]
     # a wider tree rebuilt from the stored accuracies, as eval.bench --tree-nodes does
-    wide = MedusaProposer.from_artifact(result["artifact"], target,
-                                        SimpleNamespace(tree_nodes=12))
+    wide = MedusaProposer.from_artifact(result["artifact"], target, tree_nodes=12)
     assert len(wide.tree) == 12 and wide.tree.max_depth == 2
     prompt = target.chat_ids("Count from 3 to 9.")
     plain = greedy(target, None, prompt)
