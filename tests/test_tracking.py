@@ -172,7 +172,7 @@ def test_acceptance_eval_leaves_the_training_random_state_alone(toy, tmp_path, p
         torch.rand(5)  # a proposer that draws from the global RNG while being built
         assert not module.training
         # the target drafting for itself: greedy, so every draft token is accepted
-        return DraftModelProposer(target.model, max_depth=2)
+        return DraftModelProposer(target.model, max_depth=2, min_confidence=0.0)
 
     evaluation = AcceptanceEval(accelerator, cfg, target, noisy_proposer, metrics)
     assert len(evaluation.prompts) == 1 and evaluation.prompts[0] == target.chat_ids(PROMPTS[0])
