@@ -123,11 +123,14 @@ def load_draft(spec: str, target: Target, trainable: bool = False,
             raise FileNotFoundError(
                 f"draft {spec!r} is neither truncate:N nor a model directory with config.json"
             )
-        draft = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or target.dtype)
+        # never the directory's own code (a config with auto_map would otherwise ask on a
+        # terminal, or run it): an architecture transformers lacks is refused with its error
+        draft = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or target.dtype,
+                                                     trust_remote_code=False)
         draft = draft.to(target.device)
         tokenizer = None
         if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-            tokenizer = AutoTokenizer.from_pretrained(str(path))
+            tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
         check_same_vocab(target, draft, tokenizer, draft_name=str(path))
     if not trainable:
         return freeze(draft)

@@ -33,6 +33,7 @@ from heads.medusa import (
 from heads.medusa_tree import (
     build_medusa_tree,
     check_tree,
+    choose_tree,
     choose_tree_nodes,
     expected_tau,
     grow_medusa_tree,
@@ -687,3 +688,22 @@ def test_smollm2_greedy_with_identity_started_heads(tmp_path):
                      "--max-new-tokens", "16", "--warmup", "0", "--no-progress"])
     by_name = {r["method"]: r for r in records}
     assert by_name[f"medusa:{tmp_path / 'a'}"]["greedy_identical"] is True
+
+
+def test_choose_tree_is_the_one_entry_for_trainer_and_evaluator(target32):
+    acc = [[0.5, 0.2, 0.1], [0.4, 0.2, 0.1]]
+    tree, info = choose_tree(acc, num_heads=2, tree_nodes=4)
+    assert tree == build_medusa_tree(acc, 4) and info["tree_nodes"] == 4
+    assert info["expected_tau"] == pytest.approx(expected_tau(tree, acc))
+    assert choose_tree(acc, 2, 4, max_depth=1)[0] == [(0,), (1,), (2,)]
+    assert choose_tree(acc, 2, 5, max_topk=1)[0] == [(0,), (0, 0)]
+    chain, info = choose_tree(None, num_heads=3, tree_nodes=8)
+    assert chain == [(0,), (0, 0), (0, 0, 0)] and "no held-out" in info["note"]
+    with pytest.raises(ValueError, match="pass target= and heads="):
+        choose_tree(acc, 2, "auto")
+    with one_thread():
+        heads = random_heads(target32, num_heads=2)
+        auto, info = choose_tree(acc, 2, "auto", target=target32, heads=heads)
+    assert len(auto) == info["tree_nodes"] and "verify_seconds" in info
+    with pytest.raises(ValueError, match="tree_nodes must be"):
+        choose_tree(acc, 2, "many")
