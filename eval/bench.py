@@ -162,6 +162,10 @@ class OptionFlag:
     flag: str
     parse: object  # str -> value
     help: str
+    unset: str = "the artifact's"  # what a default of None means
+
+    def describe_default(self) -> str:
+        return self.unset if self.default is None else repr(self.default)
 
     @property
     def default(self):
@@ -233,7 +237,7 @@ OPTION_FLAGS = (
                _probability, "draft: stop drafting after a token the draft gives less than this"),
     OptionFlag("draft", DraftModelProposer, "branching", "--draft-branching", _branching,
                "draft: a static tree instead of a chain, children per node at each depth "
-               "(e.g. 4,2,1)"),
+               "(e.g. 4,2,1)", unset="a chain"),
     OptionFlag("draft", DraftModelProposer, "children", "--draft-children", _children,
                "draft trees: topk (the draft's best, point-mass rule) or sample (i.i.d. "
                "samples, SpecInfer's rule; greedy at temperature 0)"),
@@ -422,7 +426,7 @@ def explain_differences(methods: list[Method], records: list[dict], prompts: lis
 # the command line
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eval.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m",
@@ -462,8 +466,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for f in OPTION_FLAGS:
         seen.setdefault(f.flag, []).append(f)
     for flag, group in seen.items():
-        defaults = ", ".join(f"{f.kind} {f.default!r}" if f.default is not None
-                             else f"{f.kind}: the artifact's" for f in group)
+        defaults = (group[0].describe_default() if len(group) == 1 else
+                    "; ".join(f"{f.kind} {f.describe_default()}" for f in group))
         text = " ".join(f.help for f in group if f.help)
         p.add_argument(flag, type=group[0].parse, default=None, dest=_dest(flag),
                        help=f"{text} (default: {defaults})")
@@ -471,6 +475,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="log the tables and plots to Weights & Biases (online when logged in)")
     p.add_argument("--wandb-project", default="draftsmith")
     p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     for spec in args.methods:
         if spec not in FIXED_METHODS and not spec.startswith(PREFIX_METHODS):

@@ -7,6 +7,7 @@ import inspect
 import json
 import os
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -410,3 +411,16 @@ def test_bench_writes_the_html_report_beside_the_json(run):
     assert len(pictures) == 6  # speedup, tokens/s per prompt, tau, alpha, lengths, categories
     for picture in pictures:
         assert_real_image(picture)
+
+
+def test_docs_name_every_flag_and_every_link_resolves():
+    repo = Path(__file__).resolve().parents[1]
+    guide = (repo / "docs" / "evaluator.md").read_text()
+    flags = {flag for action in bench.build_parser()._actions for flag in action.option_strings
+             if flag.startswith("--")}
+    missing = sorted(f for f in flags if f not in guide and f != "--help")
+    assert not missing, f"docs/evaluator.md does not mention {missing}"
+    for page in [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]:
+        for link in re.findall(r"\]\(([^)#]+)\)", page.read_text()):
+            if not link.startswith("http"):
+                assert (page.parent / link).exists(), f"{page.name} links to missing {link}"
