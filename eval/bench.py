@@ -461,6 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-dtype", type=parse_dtype, default=None,
                    help="precision of draft LMs and EAGLE heads (e.g. bf16 beside an fp32 target "
                         "on a CPU); exactness depends on the target only (default: the target's)")
+    p.add_argument("--attn-implementation", default=None,
+                   help="the target's attention kernel: sdpa, eager, ... (default: transformers')")
     p.add_argument("--threads", type=_int_at_least(1), default=None, help="torch CPU threads")
     seen = {}
     for f in OPTION_FLAGS:
@@ -505,7 +507,8 @@ def main(argv=None) -> list[dict]:
                               per_category=args.prompts_per_category, categories=args.categories)
     for reason, count in prompt_set.skipped.items():
         print(f"[bench] skipped {count} rows of {args.prompts}: {reason}", file=sys.stderr)
-    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    target = load_target(args.target, device=args.device, dtype=args.dtype,
+                         attn_implementation=args.attn_implementation)
     prompts = [target.chat_ids(p.text) for p in prompt_set.prompts]
     for ids in prompts:
         check_prompt(ids, args.max_new_tokens, target.vocab_size, target.max_context)
@@ -536,6 +539,7 @@ def main(argv=None) -> list[dict]:
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
         "seed": args.seed, "warmup": args.warmup, "repeats": args.repeats,
         "device": str(target.device), "dtype": dtype_name(target.dtype),
+        "attn_implementation": getattr(target.config, "_attn_implementation", None),
         "draft_dtype": None if args.draft_dtype is None else dtype_name(args.draft_dtype),
         "method_options": {kind: options_from_args(args, kind) for kind in OWNERS},
         "threads": torch.get_num_threads(), "torch": torch.__version__,

@@ -42,6 +42,7 @@ from eval.summary import (
     CONFIDENCE,
     REPORT_FORMAT,
     REPORT_VERSION,
+    greedy_summary,
 )
 
 SECTIONS = (
@@ -221,6 +222,8 @@ def _bars_with_intervals(records: list[dict], key: str, ci_key: str, xlabel: str
     ax.invert_yaxis()
     if reference is not None:
         ax.axvline(reference, color="#444", linewidth=1, linestyle="--")
+    if not any(ci for _, _, ci in rows):
+        xlabel = xlabel.split(" (bars")[0]  # nothing to draw the bars from
     ax.set_xlabel(xlabel)
     for i, (v, high) in enumerate(zip(values, highs)):
         ax.text(v + high, i, f"  {v:.3f}", va="center", ha="left", fontsize=8)
@@ -260,6 +263,7 @@ def tokens_per_prompt_figure(records: list[dict]) -> bytes | None:
         xs = [i for i, v in enumerate(rates) if v is not None]
         ax.plot(xs, [rates[i] for i in xs], marker="o", markersize=3, linewidth=1, label=name)
     ax.set_xlabel("prompt (in the order run)")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel("tokens/s")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
@@ -455,7 +459,8 @@ def categories_table(categories: list[dict]) -> str:
     names = [c.get("category") for c in categories]
     methods = list(dict.fromkeys(r.get("method") for c in categories
                                  for r in c.get("methods") or [] if isinstance(r, dict)))
-    header = ["method"] + [f"{n} ({c.get('num_prompts', '?')} prompts)"
+    header = ["method"] + [f"{n} ({c.get('num_prompts', '?')} "
+                           f"prompt{'' if c.get('num_prompts') == 1 else 's'})"
                            for n, c in zip(names, categories)]
     rows = []
     for m in methods:
@@ -494,7 +499,8 @@ def divergences_table(records: list[dict]) -> str:
 def _config_table(config: dict) -> str:
     keys = ["target", "prompts", "num_prompts", "skipped_prompts", "categories", "turn",
             "max_new_tokens", "temperature", "top_k", "top_p", "seed", "repeats", "device",
-            "dtype", "draft_dtype", "method_options", "threads", "torch", "transformers", "machine"]
+            "dtype", "attn_implementation", "draft_dtype", "method_options", "threads", "torch",
+            "transformers", "machine"]
     rows = [[_e(k), _e(json.dumps(config[k]) if isinstance(config[k], (dict, list))
                        else config[k])] for k in keys if k in config]
     return _table(["setting", "value"], rows)
@@ -525,16 +531,17 @@ def build_report(reports: list[tuple[str, dict]], metrics: list[Metrics],
     for name, data in reports:
         records = [r for r in data["methods"] if isinstance(r, dict)]
         config = data.get("config", {})
-        verdict = data.get("greedy_summary") or "greedy equality: not recorded in this report"
+        verdict = data.get("greedy_summary") or greedy_summary(records)
         old = data.get("version", 1) < REPORT_VERSION
         intro = (f"<p><b>{_e(verdict)}</b></p>"
                  + (f"<p class='missing'>{_e(name)} was written by an older eval.bench (report "
                     "version 1): it holds no per-prompt figures, intervals, categories or "
                     "accepted lengths; run eval.bench again for them.</p>" if old else "")
                  + methods_table(records) + _config_table(config)
-                 + f"<p class='note'>Intervals: {int(CONFIDENCE * 100)}% percentile bootstrap "
-                   f"over prompts ({BOOTSTRAP_RESAMPLES} resamples, the method and hf resampled "
-                   "together), both fixed.</p>")
+                 + ("" if old else
+                    f"<p class='note'>Intervals: {int(CONFIDENCE * 100)}% percentile bootstrap "
+                    f"over prompts ({BOOTSTRAP_RESAMPLES} resamples, the method and hf "
+                    "resampled together), both fixed.</p>"))
         add("summary", name, intro)
         add("speedup", name, image=(f"{name}: speedup over hf", speedup_figure(records)),
             missing="no method in this report has a speedup (hf was not run?)")
@@ -570,7 +577,8 @@ def build_report(reports: list[tuple[str, dict]], metrics: list[Metrics],
         skipped = [f"{m.name}: {m.skipped} lines skipped (not a JSON record with an integer "
                    "step)" for m in metrics if m.skipped]
         fragment = "".join(f"<p class='missing'>{_e(s)}</p>" for s in skipped)
-        sections["training"].blocks.append(fragment)
+        listed = ", ".join(f"{m.name} ({len(m.records)} records)" for m in metrics)
+        sections["training"].blocks.append(f"<p>runs: {_e(listed)}</p>{fragment}")
         for title, png, missing in training_figures(metrics):
             sections["training"].blocks.append(f"<h3>{_e(title)}</h3>")
             if png is None:

@@ -289,7 +289,7 @@ def greedy_summary(records: list[dict]) -> str:
         if verdict == IDENTICAL:
             continue
         count = len(r.get("differing_prompts") or [])
-        detail = f"{count} of {r['num_prompts']} prompts differ from hf"
+        detail = f"{count} of {r.get('num_prompts', '?')} prompts differ from hf"
         if verdict == UP_TO_NUMERICS:
             lines.append(f"{r['method']}: identical up to numerics ({detail}; each at a tie of "
                          f"the target's two best tokens within its dtype's rounding)")
