@@ -525,11 +525,13 @@ def main(argv=None) -> list[dict]:
     if args.params.greedy:
         explain_differences(methods, summary["methods"], prompts, args.max_new_tokens,
                             args.params, target.dtype)
-        verdicts = {r["method"]: r.get("greedy_verdict") for r in summary["methods"]}
-        for group in summary["categories"]:
+        found = {r["method"]: r.get("divergences") or [] for r in summary["methods"]}
+        for group in summary["categories"]:  # each category's verdict from its own prompts
             for r in group["methods"]:
                 if r.get("differing_prompts"):
-                    r["greedy_verdict"] = verdicts.get(r["method"])
+                    mine = [d for d in found.get(r["method"], [])
+                            if d.get("prompt") in r["differing_prompts"]]
+                    r["greedy_verdict"] = greedy_verdict(mine) if mine else None
     import transformers
 
     config = {
