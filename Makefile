@@ -30,7 +30,7 @@ bench: install
 	  --method hf --method plain --method pld --method hf-pld \
 	  --method draft:$(BENCH_DRAFT) --method hf-assisted:$(BENCH_DRAFT) \
 	  --prompts $(BENCH_PROMPTS) --num-prompts $(BENCH_N) --max-new-tokens 128 \
-	  --temperature 0 --out reports/bench.json
+	  --temperature 0 --out reports/bench.json --html reports/bench.html
 
 # the main job on the embedded target: data -> accelerate launch train/eagle.py (~10 min on 2
 # cores) -> export -> eval.bench against hf, hf-pld and hf-assisted; see scripts/demo.sh

@@ -124,7 +124,8 @@ def load_draft(spec: str, target: Target, trainable: bool = False,
                 f"draft {spec!r} is neither truncate:N nor a model directory with config.json"
             )
         check_model_directory(path, what="draft")
-        # code shipped with a model directory (config.json's auto_map) is never run
+        # never the directory's own code (config.json's auto_map): an architecture transformers
+        # lacks is refused with its error
         draft = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or target.dtype,
                                                      trust_remote_code=False)
         draft = draft.to(target.device)

@@ -1,4 +1,4 @@
-"""The exact acceptance rules (DESIGN.md, "Exactness"), as functions of distributions.
+"""The exact acceptance rules (docs/exactness.md), as functions of distributions; acceptance counts.
 
 Notation: ``target_probs`` is the target's warped distribution, ``draft_probs`` the draft's.
 Every rule returns which draft tokens were accepted and the one extra token sampled from the
@@ -8,7 +8,9 @@ verification round emits accepted + 1 tokens whose joint law is exactly the warp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from itertools import zip_longest
 
 import torch
 
@@ -152,3 +154,44 @@ def verify_tree(
             return TreeOutcome(path, token, tried)
         path.append(accepted)
         node = accepted
+
+
+@dataclass
+class DepthCounts:
+    """Acceptance counted per tree depth (index 0 is depth 1), summed over rounds and prompts.
+
+    ``accepted_per_depth[d-1]``: draft tokens accepted at depth d. ``tried_per_depth[d-1]``:
+    rounds whose walk tested a child at depth d, i.e. everything up to and including the first
+    rejection. alpha = accepted / tried, overall and per depth. Counts from several generations,
+    or from several processes, add up with :meth:`add`.
+    """
+
+    accepted_per_depth: list[int] = field(default_factory=list)
+    tried_per_depth: list[int] = field(default_factory=list)
+
+    def add_round(self, accepted_depths: Iterable[int], tried_depths: Iterable[int]) -> None:
+        """One verification round: the depths of its accepted nodes and of its tested children."""
+        for counts, depths in ((self.accepted_per_depth, accepted_depths),
+                               (self.tried_per_depth, tried_depths)):
+            for d in depths:
+                counts.extend([0] * (d - len(counts)))
+                counts[d - 1] += 1
+
+    def add(self, other: DepthCounts | None) -> None:
+        if other is None:
+            return
+        for mine, theirs in ((self.accepted_per_depth, other.accepted_per_depth),
+                             (self.tried_per_depth, other.tried_per_depth)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, v in enumerate(theirs):
+                mine[i] += v
+
+    @property
+    def alpha(self) -> float | None:
+        tried = sum(self.tried_per_depth)
+        return sum(self.accepted_per_depth) / tried if tried else None
+
+    @property
+    def alpha_per_depth(self) -> list[float | None]:
+        return [a / t if t else None for a, t in
+                zip_longest(self.accepted_per_depth, self.tried_per_depth, fillvalue=0)]

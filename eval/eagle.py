@@ -10,7 +10,7 @@ the real entries of the old root and the accepted nodes, from the target's featu
 Tree (EAGLE-2): the root's top-k children form the first frontier; at each further depth the
 frontier nodes are expanded in one batched head forward (4-D tree mask, per-node positions), each
 gets its top-k children, and the k children with the highest cumulative draft log-probability
-become the next frontier. Of every child scored on the way, the ``total_tokens`` with the highest
+become the next frontier. Of every child scored on the way, the ``tree_nodes`` with the highest
 cumulative log-probability form the tree (a parent never scores below its child, so the choice is
 closed under ancestors). Children are chosen deterministically, so verification uses the
 point-mass rule and stays exact at every temperature. ``topk=1`` gives a chain.
@@ -25,13 +25,13 @@ import torch
 from eval.kv import crop
 from eval.proposers import Proposer
 from eval.tree import DraftTree
-from heads.eagle import EagleHead, attention_bias, causal_mask
+from heads.eagle import EagleHead, causal_mask
 from heads.public_heads import load_eagle_head
-from heads.target import Target, default_device_dtype
+from heads.target import Target, tree_attention_mask
 
 DEFAULT_DEPTH = 5
 DEFAULT_TOPK = 8
-DEFAULT_TOTAL_TOKENS = 32
+DEFAULT_TREE_NODES = 32
 
 
 def _log_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -49,37 +49,31 @@ class EagleProposer(Proposer):
         head: EagleHead,
         depth: int = DEFAULT_DEPTH,
         topk: int = DEFAULT_TOPK,
-        total_tokens: int = DEFAULT_TOTAL_TOKENS,
+        tree_nodes: int = DEFAULT_TREE_NODES,
         name: str = "eagle",
     ):
-        if depth < 1 or topk < 1 or total_tokens < 1:
-            raise ValueError(
-                f"depth, topk and total_tokens must be >= 1, got {depth}, {topk}, {total_tokens}"
-            )
+        for key, value in (("depth", depth), ("topk", topk), ("tree_nodes", tree_nodes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"EagleProposer {key} must be an integer >= 1, got {value!r}")
         self.head = head  # its train/eval mode is left alone (trainers measure acceptance mid-run)
-        self.depth, self.topk, self.total_tokens = depth, topk, total_tokens
+        self.depth, self.topk, self.tree_nodes = depth, topk, tree_nodes
         self.name = name
         self.hidden_layers = tuple(head.config.aux_layer_ids)
 
     @classmethod
-    def from_artifact(cls, path: str | os.PathLike, target: Target, args=None) -> EagleProposer:
-        """Load an eagle1/eagle3 artifact; args.tree_depth/tree_topk/tree_nodes None = default."""
-        dtype = getattr(args, "draft_dtype", None) if args is not None else None
-        if dtype is not None:  # e.g. bf16 beside an fp32 target: the head's numerics never touch exactness
-            dtype = default_device_dtype("cpu", dtype)[1]
+    def from_artifact(cls, path: str | os.PathLike, target: Target, *,
+                      depth: int = DEFAULT_DEPTH, topk: int = DEFAULT_TOPK,
+                      tree_nodes: int = DEFAULT_TREE_NODES, dtype: torch.dtype | None = None,
+                      name: str | None = None) -> EagleProposer:
+        """Load an eagle1/eagle3 artifact for ``target`` and draft EAGLE-2 trees with it.
+
+        ``dtype``: run the head in another precision than the target (e.g. bf16 beside an fp32
+        target on a CPU); the head's numerics never touch exactness, which depends on the
+        target alone. ``name`` defaults to ``eagle:<path>``.
+        """
         head = load_eagle_head(path, target, dtype=dtype).eval()
-
-        def pick(attr, default):
-            value = getattr(args, attr, None) if args is not None else None
-            return default if value is None else int(value)
-
-        return cls(
-            head,
-            depth=pick("tree_depth", DEFAULT_DEPTH),
-            topk=pick("tree_topk", DEFAULT_TOPK),
-            total_tokens=pick("tree_nodes", DEFAULT_TOTAL_TOKENS),
-            name=f"eagle:{path}",
-        )
+        return cls(head, depth=depth, topk=topk, tree_nodes=tree_nodes,
+                   name=name or f"eagle:{path}")
 
     # -- cache bookkeeping -----------------------------------------------------------------------
 
@@ -153,8 +147,7 @@ class EagleProposer(Proposer):
                 rows[:, :entries] = ancestry[front_entry_parent.clamp_min(0)] & has_parent[:, None]
             rows[:, entries:] = torch.eye(m, dtype=torch.bool, device=device)
             ancestry = torch.cat([torch.nn.functional.pad(ancestry, (0, m)), rows], dim=0)
-            allowed = torch.cat([torch.ones(m, base, dtype=torch.bool, device=device), rows], dim=1)
-            mask = attention_bias(allowed, head.dtype)[None, None]  # (1, 1, m, base + entries + m)
+            mask = tree_attention_mask(rows, base, head.dtype, device)  # (1, 1, m, base + entries + m)
             positions = torch.full((1, m), base - 1 + d - 1, device=device)
             out, logits = head(front_tokens[None], front_hidden, positions, mask, self.cache)
             step_logp = _log_probs(logits[0])  # (m, Vd)
@@ -177,7 +170,7 @@ class EagleProposer(Proposer):
 
         scores = torch.cat(all_scores)
         # stable sort: among equal scores the earlier (shallower) candidate, so parents come first
-        order = torch.sort(scores, descending=True, stable=True).indices[: self.total_tokens]
+        order = torch.sort(scores, descending=True, stable=True).indices[: self.tree_nodes]
         chosen = order.tolist()
         cand_tokens = torch.cat(all_tokens)[order].tolist()
         cand_parents = torch.cat(all_parents)[order].tolist()

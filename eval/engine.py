@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from itertools import zip_longest
 
 import torch
 
-from eval.acceptance import verify_chain, verify_chain_greedy, verify_tree
+from eval.acceptance import DepthCounts, verify_chain, verify_chain_greedy, verify_tree
 from eval.kv import keep_tree_path, new_cache
 from eval.proposers import Proposer
 from eval.sampling import SamplingParams, warp
 from eval.tree import DraftTree
-from heads.target import Target
+from heads.target import Target, tree_attention_mask
 
 
 @dataclass
@@ -31,10 +30,13 @@ class Generation:
     prompt_len: int
     target_passes: int = 0  # target forwards while decoding (the prefill is not counted)
     proposed: int = 0  # draft tokens (tree nodes) sent to verification
-    accepted_at: list[int] = field(default_factory=list)  # accepted draft tokens per depth (1-based)
-    tried_at: list[int] = field(default_factory=list)  # rounds whose walk tested a child per depth
+    acceptance: DepthCounts = field(default_factory=DepthCounts)
+    accepted_lengths: list[int] = field(default_factory=list)  # accepted draft tokens per round
     stop_reason: str = "length"
     seconds: float = 0.0
+    # with record_logits: the target's logits (vocab,) behind each emitted token, float32 on the
+    # CPU (what the greedy-equality report reads at a first differing position)
+    logits: list[torch.Tensor] | None = None
 
     @property
     def decode_tokens(self) -> int:
@@ -47,15 +49,7 @@ class Generation:
 
     @property
     def alpha(self) -> float | None:
-        tried = sum(self.tried_at)
-        return sum(self.accepted_at) / tried if tried else None
-
-    def count(self, path_depths: list[int], tried_depths: list[int]) -> None:
-        for bucket, depths in ((self.accepted_at, path_depths), (self.tried_at, tried_depths)):
-            for d in depths:
-                while len(bucket) < d:
-                    bucket.append(0)
-                bucket[d - 1] += 1
+        return self.acceptance.alpha
 
 
 @dataclass
@@ -121,8 +115,10 @@ class SpeculativeEngine:
         proposer: Proposer | None = None,
         seed: int | None = 0,
         stop_at_eos: bool = True,
+        record_logits: bool = False,
     ) -> Generation:
-        state = self.begin(prompt_ids, max_new_tokens, params, proposer, seed, stop_at_eos)
+        state = self.begin(prompt_ids, max_new_tokens, params, proposer, seed, stop_at_eos,
+                           record_logits)
         while not state.done:
             self.step(state)
         state.gen.seconds = time.perf_counter() - state.started
@@ -137,6 +133,7 @@ class SpeculativeEngine:
         proposer: Proposer | None = None,
         seed: int | None = 0,
         stop_at_eos: bool = True,
+        record_logits: bool = False,
     ) -> DecodeState:
         """Prefill the target on the prompt and emit the first token."""
         params = params or SamplingParams()
@@ -159,8 +156,11 @@ class SpeculativeEngine:
             logits_to_keep=1, output_hidden_states=bool(layers),
         )
         first = self._pick(out.logits[0, -1], params, generator)
+        gen = Generation(tokens=[first], prompt_len=len(prompt))
+        if record_logits:
+            gen.logits = [out.logits[0, -1].float().cpu()]
         state = DecodeState(
-            seq=prompt + [first], cache=cache, gen=Generation(tokens=[first], prompt_len=len(prompt)),
+            seq=prompt + [first], cache=cache, gen=gen,
             params=params, proposer=proposer, generator=generator, layers=layers,
             max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos, started=started,
         )
@@ -191,7 +191,8 @@ class SpeculativeEngine:
             path, nxt, tried = self._accept(tree, logits, params, state.generator)
         gen.target_passes += 1
         gen.proposed += len(tree)
-        gen.count([tree.depths[c] for c in path], tried)
+        gen.acceptance.add_round([tree.depths[c] for c in path], tried)
+        gen.accepted_lengths.append(len(path))
         keep_tree_path(state.cache, past, [0] + path)
 
         new = [tree.tokens[c - 1] for c in path] + [nxt]
@@ -202,6 +203,9 @@ class SpeculativeEngine:
                     new = new[: i + 1]
                     gen.stop_reason = "eos"
                     break
+        if gen.logits is not None:  # the row behind each emitted token: the root's, then the path's
+            rows = [0, *path][: len(new)]
+            gen.logits.extend(logits[rows].float().cpu().unbind(0))
         gen.tokens.extend(new)
         seq.extend(new)
         if not state.done:
@@ -219,12 +223,8 @@ class SpeculativeEngine:
         ids = torch.tensor([[root, *tree.tokens]], device=self.device)
         kwargs = {}
         if not tree.is_chain:
-            n = len(tree) + 1
-            dtype = self.target.dtype
-            mask = torch.full((1, 1, n, past + n), torch.finfo(dtype).min, dtype=dtype)
-            mask[..., :past] = 0
-            mask[0, 0, :, past:].masked_fill_(tree.ancestor_mask(), 0)
-            kwargs["attention_mask"] = mask.to(self.device)
+            kwargs["attention_mask"] = tree_attention_mask(
+                tree.ancestor_mask(), past, self.target.dtype, self.device)
             kwargs["position_ids"] = torch.tensor([[past + d for d in tree.depths]], device=self.device)
         out = self.model(
             input_ids=ids, cache=cache, use_cache=True, output_hidden_states=bool(layers), **kwargs
@@ -256,28 +256,31 @@ class SpeculativeEngine:
 def measure_acceptance(target: Target, proposer: Proposer, prompts: list[list[int]],
                        max_new_tokens: int = 64, params: SamplingParams | None = None,
                        seed: int = 0) -> dict:
-    """tau, alpha and alpha per depth of ``proposer`` over ``prompts`` (training-time evaluation)."""
+    """Acceptance of ``proposer`` over ``prompts`` (training-time evaluation).
+
+    Returns tau, alpha and alpha_per_depth, and the raw counts they come from, so that several
+    processes can each measure their share of the prompts and add the counts up:
+    ``decode_tokens`` (tokens emitted by decoding rounds), ``target_passes``,
+    ``accepted_per_depth`` and ``tried_per_depth`` (lists of ints, index 0 = depth 1). Then
+    tau = decode_tokens / target_passes and alpha = sum(accepted) / sum(tried).
+    """
     engine = SpeculativeEngine(target)
-    total = Generation(tokens=[], prompt_len=0)
-    decode = 0
+    counts = DepthCounts()
+    decode = passes = 0
     for i, ids in enumerate(prompts):
         budget = min(max_new_tokens, target.max_context - len(ids))
         if budget <= 0:
             continue
         g = engine.generate(ids, budget, params, proposer, seed=seed + i)
         decode += g.decode_tokens
-        total.target_passes += g.target_passes
-        for depth, (a, t) in enumerate(zip_longest(g.accepted_at, g.tried_at, fillvalue=0), start=1):
-            total.count([depth] * a, [depth] * t)
-    tried = total.tried_at
-    accepted = [a for a, _ in zip_longest(total.accepted_at, tried, fillvalue=0)]
+        passes += g.target_passes
+        counts.add(g.acceptance)
     return {
-        "tau": decode / total.target_passes if total.target_passes else None,
-        "alpha": total.alpha,
-        "alpha_per_depth": [a / t if t else None for a, t in zip(accepted, tried)],
-        # the raw counts, so that measurements on several processes can be summed
+        "tau": decode / passes if passes else None,
+        "alpha": counts.alpha,
+        "alpha_per_depth": counts.alpha_per_depth,
         "decode_tokens": decode,
-        "target_passes": total.target_passes,
-        "accepted_per_depth": accepted,
-        "tried_per_depth": list(tried),
+        "target_passes": passes,
+        "accepted_per_depth": list(counts.accepted_per_depth),
+        "tried_per_depth": list(counts.tried_per_depth),
     }

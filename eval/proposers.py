@@ -24,6 +24,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from eval.kv import keep_tree_path, new_cache
 from eval.sampling import SamplingParams, warp
 from eval.tree import DraftTree, build_trie
+from heads.target import tree_attention_mask
 
 
 class Proposer:
@@ -45,22 +46,26 @@ class Proposer:
 class NgramProposer(Proposer):
     """Prompt lookup: continue the latest earlier occurrence of the sequence's last n-gram.
 
-    Longest n-gram first (max_ngram down to min_ngram). With ``max_branches`` > 1 the
-    continuations of several distinct earlier occurrences (most recent first) are merged into a
-    trie of at most ``max_nodes`` tokens and verified together. Proposals are deterministic, so
-    verification uses the point-mass rule and stays exact at any temperature.
+    Longest n-gram first (max_ngram down to min_ngram), continued for up to ``max_depth``
+    tokens. With ``max_branches`` > 1 the continuations of several distinct earlier occurrences
+    (most recent first) are merged into a trie of at most ``tree_nodes`` tokens and verified
+    together. Proposals are deterministic, so verification uses the point-mass rule and stays
+    exact at any temperature.
     """
 
     name = "pld"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_depth: int = 10,
-                 max_branches: int = 1, max_nodes: int = 10):
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        if max_depth < 1 or max_branches < 1 or max_nodes < 1:
-            raise ValueError("max_depth, max_branches and max_nodes must be >= 1")
+    def __init__(self, *, max_ngram: int = 3, min_ngram: int = 1, max_depth: int = 10,
+                 max_branches: int = 1, tree_nodes: int = 10):
+        for key, value in (("max_ngram", max_ngram), ("min_ngram", min_ngram),
+                           ("max_depth", max_depth), ("max_branches", max_branches),
+                           ("tree_nodes", tree_nodes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"NgramProposer {key} must be an integer >= 1, got {value!r}")
+        if min_ngram > max_ngram:
+            raise ValueError(f"need min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.max_depth, self.max_branches, self.max_nodes = max_depth, max_branches, max_nodes
+        self.max_depth, self.max_branches, self.tree_nodes = max_depth, max_branches, tree_nodes
 
     def propose(self, seq: list[int], max_depth: int) -> DraftTree | None:
         depth = min(self.max_depth, max_depth)
@@ -82,8 +87,8 @@ class NgramProposer(Proposer):
                     if len(branches) == self.max_branches:
                         break
             if len(branches) == 1:
-                return DraftTree.chain(branches[0][: self.max_nodes])
-            return build_trie(branches, self.max_nodes)
+                return DraftTree.chain(branches[0][: self.tree_nodes])
+            return build_trie(branches, self.tree_nodes)
         return None
 
 
@@ -101,11 +106,13 @@ class DraftModelProposer(Proposer):
 
     name = "draft"
 
-    def __init__(self, model, max_depth: int = 6, min_confidence: float = 0.0,
+    def __init__(self, model, *, max_depth: int = 6, min_confidence: float = 0.4,
                  branching: list[int] | None = None, children: str = "topk",
                  name: str = "draft"):
-        if max_depth < 1:
-            raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+        if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 1:
+            raise ValueError(f"max_depth must be an integer >= 1, got {max_depth!r}")
+        if not 0.0 <= min_confidence <= 1.0:  # NaN fails too
+            raise ValueError(f"min_confidence must be in [0, 1], got {min_confidence}")
         if branching is not None and (not branching or min(branching) < 1):
             raise ValueError(f"branching needs one count >= 1 per depth, got {branching}")
         if children not in ("topk", "sample"):
@@ -194,14 +201,12 @@ class DraftModelProposer(Proposer):
             # one draft forward over the whole new depth: each node sees the accepted sequence
             # and its own tree ancestors (already in the draft cache) plus itself
             fed_at = {n: i for i, n in enumerate(self.fed + grown)}
-            width = self.base + len(fed_at)
-            mask = torch.full((1, 1, len(grown), width), torch.finfo(self.dtype).min, dtype=self.dtype)
-            mask[..., : self.base] = 0
+            allowed = torch.zeros(len(grown), len(fed_at), dtype=torch.bool)
             for row, n in enumerate(grown):
-                for a in ancestors[n]:
-                    mask[0, 0, row, self.base + fed_at[a]] = 0
+                allowed[row, [fed_at[a] for a in ancestors[n]]] = True
+            mask = tree_attention_mask(allowed, self.base, self.dtype, self.device)
             positions = torch.full((1, len(grown)), self.base + d, device=self.device)
-            out = self._forward([tokens[n - 1] for n in grown], attention_mask=mask.to(self.device),
+            out = self._forward([tokens[n - 1] for n in grown], attention_mask=mask,
                                 position_ids=positions)
             self.fed.extend(grown)
             frontier = list(zip(grown, out))

@@ -100,8 +100,8 @@ class DraftTree:
         return path[::-1]
 
 
-def build_trie(branches: list[list[int]], max_nodes: int) -> DraftTree:
-    """Merge token sequences (best first) into a deterministic-children tree of at most max_nodes.
+def build_trie(branches: list[list[int]], tree_nodes: int) -> DraftTree:
+    """Merge token sequences (best first) into a deterministic-children tree of at most tree_nodes.
 
     Shared prefixes are stored once; a branch is added token by token until the budget runs out.
     """
@@ -115,7 +115,7 @@ def build_trie(branches: list[list[int]], max_nodes: int) -> DraftTree:
             if key in child_of:
                 node = child_of[key]
                 continue
-            if len(tokens) >= max_nodes:
+            if len(tokens) >= tree_nodes:
                 break
             tokens.append(tok)
             parents.append(node)

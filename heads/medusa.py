@@ -12,11 +12,10 @@ per head (trainable, K x vocab x hidden parameters) or the target's own LM head 
 reference (frozen, not stored in the artifact; ``share_lm_head``). :func:`medusa_param_counts`
 gives both sizes.
 
-Also here: the training loss (:func:`medusa_loss`, a pure function of logits and a mask), the
-held-out accuracies the static token tree is built from (:func:`rank_hits`, :func:`rank_accuracy`,
-:func:`topk_accuracy`), the artifact (:func:`save_medusa` / :func:`load_medusa`, method
-``"medusa"``, the tree stored in its config) and the serving layouts (:func:`export_medusa`,
-:func:`load_medusa_export`):
+Also here: the held-out accuracies the static token tree is built from (:func:`rank_accuracy`,
+:func:`topk_accuracy`, :func:`accuracy_metrics`), the artifact (:func:`save_medusa` /
+:func:`load_medusa`, method ``"medusa"``, the tree stored in its config) and the serving layouts
+(:func:`export_medusa`, :func:`load_medusa_export`):
 
 * ``vllm-0.32``: vLLM <= 0.32.0 ``MedusaModel`` (vLLM 0.33 has none): ``config.json``
   (``num_heads``, ``num_hidden_layers``, ``hidden_size``, ``vocab_size``, ``medusa_fc_bias``,
@@ -27,18 +26,15 @@ held-out accuracies the static token tree is built from (:func:`rank_hits`, :fun
   ``{h}.{j}.linear.bias`` and ``{h}.{n}.weight`` (n = number of blocks: the vocabulary
   projection); ``fasterdecoding`` adds ``medusa_lm_head.pt`` when asked (its loader's only file).
 
-A tree is a list of paths, each a tuple of top-k ranks per depth (the Medusa repo's
-``medusa_choices``): ``(0, 2)`` is "head 1's best token, then head 2's third best".
+The tree itself (its form, how it is built and sized) is heads/medusa_tree.py.
 """
 
 from __future__ import annotations
 
 import json
-import numbers
 import os
 import re
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -48,6 +44,7 @@ from torch import nn
 
 from heads.artifact import load_artifact, read_artifact_config, save_artifact
 from heads.file_formats import load_safetensors, read_json_object
+from heads.medusa_tree import RankPath, check_tree, default_chain
 from heads.output_dir import check_destination
 from heads.target import Target
 
@@ -56,7 +53,6 @@ _TRTLLM_WEIGHTS = "medusa_lm_head.safetensors"
 _PT_WEIGHTS = "medusa_lm_head.pt"  # FasterDecoding's loader reads only this pickle
 _VLLM_WEIGHTS = "model.safetensors"
 
-RankPath = tuple[int, ...]
 # config.json block of a Medusa-2 adapted target directory (written by train/medusa.py)
 ADAPTED_TARGET_INFO_KEY = "draftsmith"
 
@@ -229,97 +225,7 @@ class MedusaHeads(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# training loss and held-out accuracies
-
-
-def _head_slices(head_logits, input_ids: torch.Tensor, loss_mask: torch.Tensor):
-    """Yield (k, logits (B, T-1-k, V), labels (B, T-1-k), mask (B, T-1-k)) for k = 1..K.
-
-    Head k at position t predicts token t+1+k, which is scored when loss_mask[t+1+k] is 1.
-    """
-    if input_ids.shape != loss_mask.shape or input_ids.dim() != 2:
-        raise ValueError(f"input_ids {tuple(input_ids.shape)} and loss_mask "
-                         f"{tuple(loss_mask.shape)} must both be (batch, seq)")
-    seq = input_ids.shape[1]
-    for k, logits in enumerate(head_logits, start=1):
-        if logits.shape[:2] != input_ids.shape:
-            raise ValueError(f"head {k} logits have shape {tuple(logits.shape)}, expected "
-                             f"(batch, seq, vocab) matching input_ids {tuple(input_ids.shape)}")
-        span = max(0, seq - 1 - k)
-        yield (k, logits[:, :span], input_ids[:, 1 + k:1 + k + span],
-               loss_mask[:, 1 + k:1 + k + span].to(torch.float32))
-
-
-@dataclass
-class MedusaLoss:
-    total: torch.Tensor  # () weighted sum over heads, what to backpropagate
-    per_head: torch.Tensor  # (K,) detached mean loss of each head, for logging
-    weights: list[float] = field(default_factory=list)  # the per-head weights used
-    tokens: torch.Tensor | None = None  # (K,) scored positions per head
-
-
-def medusa_loss(head_logits: torch.Tensor | Sequence[torch.Tensor], input_ids: torch.Tensor,
-                loss_mask: torch.Tensor, target_logits: torch.Tensor | None = None,
-                decay: float = 0.8) -> MedusaLoss:
-    """The Medusa training loss: sum_k decay**k * mean cross-entropy of head k (k = 1..K).
-
-    head_logits: (K, B, T, V) or K tensors (B, T, V), head k's logits at every position;
-    input_ids, loss_mask: (B, T), the collated batch (loss_mask[t] = 1: token t is to be
-    predicted). Hard labels are the data's tokens t+1+k. With ``target_logits`` (B, T, V), the
-    frozen target's own logits on the same batch, the labels are soft instead: head k at position
-    t matches softmax(target_logits[t+k]), the target's distribution of token t+1+k given the true
-    prefix (Medusa-2 self-distillation). Each head's loss is averaged over its scored positions.
-    """
-    if not 0.0 < decay <= 1.0:
-        raise ValueError(f"decay must be in (0, 1], got {decay}")
-    if target_logits is not None and target_logits.shape[:2] != input_ids.shape:
-        raise ValueError(f"target_logits {tuple(target_logits.shape)} must be (batch, seq, vocab) "
-                         f"matching input_ids {tuple(input_ids.shape)}")
-    seq = input_ids.shape[1]
-    total = None
-    per_head, weights, counts = [], [], []
-    for k, logits, labels, mask in _head_slices(head_logits, input_ids, loss_mask):
-        log_probs = logits.float().log_softmax(-1)  # (B, T-1-k, V)
-        if target_logits is None:
-            ce = -log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        else:
-            soft = target_logits[:, k:seq - 1].detach().float().softmax(-1)
-            ce = -(soft * log_probs).sum(-1)
-        n = mask.sum()
-        loss_k = (ce * mask).sum() / n.clamp_min(1.0)
-        weight = decay ** k
-        total = weight * loss_k if total is None else total + weight * loss_k
-        per_head.append(loss_k.detach())
-        weights.append(weight)
-        counts.append(n.detach())
-    if total is None:
-        raise ValueError("head_logits is empty: pass the logits of at least one head")
-    return MedusaLoss(total, torch.stack(per_head), weights, torch.stack(counts))
-
-
-@torch.no_grad()
-def rank_hits(head_logits: torch.Tensor | Sequence[torch.Tensor], input_ids: torch.Tensor,
-              loss_mask: torch.Tensor, topk: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
-    """How often the true token t+1+k is head k's r-th guess, on scored positions.
-
-    -> hits (K, topk) int64: hits[k-1, r] counts positions where the label is head k's rank-r
-    token; totals (K,) int64: scored positions per head. Sum these over a held-out set (and over
-    processes), then turn them into :func:`rank_accuracy` (what the tree is built from) and
-    :func:`topk_accuracy` (what to log).
-    """
-    if topk < 1:
-        raise ValueError(f"topk must be >= 1, got {topk}")
-    hits, totals = [], []
-    for _, logits, labels, mask in _head_slices(head_logits, input_ids, loss_mask):
-        k = min(topk, logits.shape[-1])
-        guesses = logits.topk(k, dim=-1).indices  # (B, T', k)
-        found = (guesses == labels.unsqueeze(-1)) & (mask.unsqueeze(-1) > 0)
-        row = found.reshape(-1, k).sum(0)
-        if k < topk:
-            row = torch.cat([row, row.new_zeros(topk - k)])
-        hits.append(row)
-        totals.append(mask.sum().long())
-    return torch.stack(hits).long(), torch.stack(totals).long()
+# held-out accuracies
 
 
 def rank_accuracy(hits: torch.Tensor, totals: torch.Tensor) -> torch.Tensor:
@@ -347,46 +253,6 @@ def accuracy_metrics(hits: torch.Tensor, totals: torch.Tensor, ks=(1, 5),
 
 
 # ---------------------------------------------------------------------------------------------
-# the static tree
-
-
-def check_tree(paths, num_heads: int) -> list[RankPath]:
-    """Validate a Medusa tree (list of rank paths) -> sorted by (depth, ranks), duplicates removed.
-
-    Every path is non-empty, no deeper than the number of heads, made of ranks >= 0, and every
-    proper prefix of a path is itself in the tree (a node's parent must be verified with it).
-    Sorted, parents precede children and siblings come likeliest (lowest rank) first.
-    """
-    if num_heads < 1:
-        raise ValueError(f"a Medusa tree needs at least one head, got num_heads={num_heads}")
-    if paths is None or isinstance(paths, (str, bytes)) or len(paths) == 0:
-        raise ValueError(f"a Medusa tree is a non-empty list of rank paths, got {paths!r}")
-    clean: set[RankPath] = set()
-    for raw in paths:
-        if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence) or len(raw) == 0:
-            raise ValueError(f"tree path {raw!r} is not a non-empty sequence of top-k ranks")
-        if any(not isinstance(r, numbers.Integral) or isinstance(r, bool) or r < 0 for r in raw):
-            raise ValueError(f"tree path {list(raw)} must hold integer ranks >= 0")
-        if len(raw) > num_heads:
-            raise ValueError(
-                f"tree path {list(raw)} is {len(raw)} deep but there are only {num_heads} Medusa "
-                f"heads (depth d is guessed by head d): drop the deeper paths or train more heads"
-            )
-        clean.add(tuple(int(r) for r in raw))
-    for path in clean:
-        if len(path) > 1 and path[:-1] not in clean:
-            raise ValueError(
-                f"tree path {list(path)} needs its parent {list(path[:-1])} in the tree too"
-            )
-    return sorted(clean, key=lambda p: (len(p), p))
-
-
-def default_chain(num_heads: int) -> list[RankPath]:
-    """Each head's top-1 guess, one after another: the tree when nothing was measured."""
-    return [(0,) * d for d in range(1, num_heads + 1)]
-
-
-# ---------------------------------------------------------------------------------------------
 # artifact
 
 
@@ -394,7 +260,7 @@ def default_chain(num_heads: int) -> list[RankPath]:
 class MedusaArtifact:
     heads: MedusaHeads
     tree: list[RankPath]
-    tree_info: dict  # how the tree was chosen: rank_accuracies, node_budget, expected_tau, ...
+    tree_info: dict  # how the tree was chosen: rank_accuracies, tree_nodes, expected_tau, ...
     config: dict  # the artifact's whole config.json
 
 
@@ -408,7 +274,7 @@ def save_medusa(directory: str | os.PathLike, heads: MedusaHeads, target: Target
     """Write a Medusa artifact: heads' weights, shapes, target identity, tree (``medusa_choices``).
 
     ``tree`` defaults to each head's top-1 chain; ``tree_info`` records how it was chosen (keep
-    ``rank_accuracies`` there so the evaluator can rebuild it for another node budget).
+    ``rank_accuracies`` there so the evaluator can rebuild it for another size, ``tree_nodes``).
     """
     cfg = heads.config
     if (cfg.hidden_size, cfg.vocab_size) != (target.hidden_size, target.vocab_size):

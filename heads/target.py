@@ -285,6 +285,30 @@ def target_hub_id(spec: str | os.PathLike | None) -> str | None:
     return None
 
 
+# Every dtype name the command lines and configs accept, and the canonical name of each dtype
+# (what reports and artifact configs write). The one table: look names up through parse_dtype.
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+    "float64": torch.float64,
+}
+
+
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A dtype or one of the names in ``DTYPES`` (e.g. "bf16", "float32") -> the torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The canonical name of a dtype ("float32", "bfloat16", ...), as reports and configs write it."""
+    return str(dtype).removeprefix("torch.")
+
+
 def default_device_dtype(
     device: str | torch.device | None = None, dtype: torch.dtype | str | None = None
 ) -> tuple[torch.device, torch.dtype]:
@@ -292,16 +316,25 @@ def default_device_dtype(
     dev = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu"
     )
-    if isinstance(dtype, str):
-        names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-                 "float64": torch.float64}
-        if dtype not in names:
-            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(names)}")
-        dtype = names[dtype]
     if dtype is None:
-        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    return dev, dtype
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return dev, parse_dtype(dtype)
+
+
+def tree_attention_mask(allowed: torch.Tensor, past: int, dtype: torch.dtype,
+                        device: torch.device | str | None = None) -> torch.Tensor:
+    """The 4-D additive mask for a forward over tree nodes on top of ``past`` cached positions.
+
+    allowed (q, k) bool: [i, j] True when new position i may attend to new position j (itself
+    and its tree ancestors). Every new position sees the whole cached prefix. Returns
+    (1, 1, q, past + k) in ``dtype``: 0 where attention is allowed, the dtype's minimum elsewhere,
+    the form transformers' attention takes together with per-node ``position_ids``.
+    """
+    q, k = allowed.shape
+    mask = torch.full((1, 1, q, past + k), torch.finfo(dtype).min, dtype=dtype, device=device)
+    mask[..., :past] = 0
+    mask[0, 0, :, past:].masked_fill_(allowed.to(mask.device), 0)
+    return mask
 
 
 def weights_fingerprint(model: nn.Module,

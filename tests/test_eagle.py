@@ -289,8 +289,8 @@ def test_eagle_loss_module_trains_under_ddp(tmp_path, target, batch, maps, versi
 
 
 MODES = {
-    "chain": dict(depth=4, topk=1, total_tokens=4),
-    "tree": dict(depth=4, topk=3, total_tokens=12),
+    "chain": dict(depth=4, topk=1, tree_nodes=4),
+    "tree": dict(depth=4, topk=3, tree_nodes=12),
 }
 
 
@@ -355,7 +355,7 @@ def test_head_cache_after_each_round_equals_fresh_recomputation(engine, target, 
 def test_tree_scores_match_sequential_recomputation(engine, target, heads, version):
     """Every node's cumulative log-prob equals decoding its branch one entry at a time."""
     head = heads[version]["trained"]
-    proposer = Recording(head, depth=4, topk=3, total_tokens=16)
+    proposer = Recording(head, depth=4, topk=3, tree_nodes=16)
     engine.generate(PROMPTS[2], 16, SamplingParams(), proposer)
     draft_id = torch.cumsum(head.t2d.long(), 0) - 1 if version == 3 else torch.arange(VOCAB)
     checked = 0
@@ -400,7 +400,7 @@ def test_sampling_uses_the_point_mass_rule(engine, heads):
 def test_proposer_limits_and_depth_budget(engine, heads):
     with pytest.raises(ValueError, match=">= 1"):
         EagleProposer(heads[1]["random"], depth=0)
-    proposer = Recording(heads[1]["random"], depth=6, topk=4, total_tokens=10)
+    proposer = Recording(heads[1]["random"], depth=6, topk=4, tree_nodes=10)
     engine.generate(PROMPTS[0], 5, SamplingParams(), proposer)
     for seq, tree in proposer.proposals:
         assert len(tree) <= 10
@@ -428,17 +428,15 @@ def test_save_load_round_trip_and_refuse_other_target(tmp_path, target, heads):
         load_eagle(tmp_path / "missing", target)
 
 
-def test_from_artifact_takes_bench_arguments(tmp_path, target, heads):
+def test_from_artifact_takes_typed_options(tmp_path, target, heads):
     path = save_eagle(heads[3]["trained"], tmp_path / "a", target)
-
-    class Args:
-        tree_nodes, tree_depth, tree_topk = 9, None, 2
-
-    proposer = EagleProposer.from_artifact(path, target, Args())
-    assert (proposer.total_tokens, proposer.depth, proposer.topk) == (9, 5, 2)
+    proposer = EagleProposer.from_artifact(path, target, tree_nodes=9, topk=2)
+    assert (proposer.tree_nodes, proposer.depth, proposer.topk) == (9, 5, 2)
     assert proposer.hidden_layers == AUX and proposer.name == f"eagle:{path}"
     with pytest.raises(FileNotFoundError):
-        EagleProposer.from_artifact(tmp_path / "nope", target, Args())
+        EagleProposer.from_artifact(tmp_path / "nope", target)
+    with pytest.raises(ValueError, match="tree_nodes must be an integer"):
+        EagleProposer.from_artifact(path, target, tree_nodes=0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -473,10 +471,8 @@ def test_head_in_bf16_keeps_greedy_exact(tmp_path, engine, target, heads, greedy
     """--draft-dtype bf16: the head drafts in bf16 beside the float target; output is unchanged."""
     path = save_eagle(heads[version]["trained"], tmp_path / f"eagle{version}", target)
 
-    class Args:
-        tree_nodes, tree_depth, tree_topk, draft_dtype = 12, 4, 3, "bf16"
-
-    proposer = EagleProposer.from_artifact(path, target, Args())
+    proposer = EagleProposer.from_artifact(path, target, tree_nodes=12, depth=4, topk=3,
+                                           dtype=torch.bfloat16)
     assert proposer.head.dtype == torch.bfloat16
     for prompt, reference in zip(PROMPTS, greedy):
         assert engine.generate(prompt, NEW_TOKENS, SamplingParams(), proposer).tokens == reference

@@ -58,12 +58,12 @@ class FixedTree(Proposer):
 def proposers(target, draft):
     vocab = target.vocab_size
     return {
-        "chain": DraftModelProposer(draft, max_depth=4),
+        "chain": DraftModelProposer(draft, max_depth=4, min_confidence=0.0),
         "chain-confidence": DraftModelProposer(draft, max_depth=6, min_confidence=0.3),
         "tree-topk": DraftModelProposer(draft, branching=[3, 2, 1]),
         "tree-wide": DraftModelProposer(draft, branching=[4, 1, 1, 1]),
         "ngram": NgramProposer(max_ngram=2, max_depth=5),
-        "ngram-trie": NgramProposer(max_ngram=2, max_depth=5, max_branches=3, max_nodes=12),
+        "ngram-trie": NgramProposer(max_ngram=2, max_depth=5, max_branches=3, tree_nodes=12),
         "fixed-tree": FixedTree([0, 0, 1, 1, 2, 3, 5, 0], vocab),
     }
 
@@ -77,7 +77,7 @@ def test_greedy_equals_plain_greedy(engine, references, tiny_target, tiny_draft,
         out = engine.generate(prompt, 32, proposer=proposer)
         assert out.tokens == reference
         assert len(out.tokens) == 32
-        accepted += sum(out.accepted_at)
+        accepted += sum(out.acceptance.accepted_per_depth)
     if kind != "fixed-tree":
         assert accepted > 0, "the test draft never got a token accepted: it proves nothing"
 
@@ -154,7 +154,7 @@ def test_truncated_draft_shares_weights_and_generates(tiny_target):
 
 
 def test_trie_merges_prefixes_within_budget():
-    tree = build_trie([[1, 2, 3], [1, 2, 4], [5, 6]], max_nodes=5)
+    tree = build_trie([[1, 2, 3], [1, 2, 4], [5, 6]], tree_nodes=5)
     assert tree.tokens == [1, 2, 3, 4, 5]
     assert tree.parents == [0, 1, 2, 2, 0]
     assert not tree.is_chain and tree.depths == [0, 1, 2, 3, 3, 1]

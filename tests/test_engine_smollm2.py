@@ -40,7 +40,7 @@ def test_greedy_matches_transformers_generate(smollm2, prompt_ids):
         out = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False,
                                      attention_mask=torch.ones(1, len(ids), dtype=torch.long))
         reference = out[0, len(ids):].tolist()
-        for proposer in (None, NgramProposer(), NgramProposer(max_branches=3, max_nodes=16),
+        for proposer in (None, NgramProposer(), NgramProposer(max_branches=3, tree_nodes=16),
                          DraftModelProposer(draft, max_depth=4),
                          DraftModelProposer(draft, branching=[2, 2, 1])):
             got = engine.generate(ids, 48, proposer=proposer)

@@ -176,7 +176,7 @@ def engine_joint(target, proposer, params, samples=SAMPLES) -> torch.Tensor:
 
 def make_proposer(kind, draft):
     if kind == "chain":
-        return DraftModelProposer(draft, max_depth=2)
+        return DraftModelProposer(draft, max_depth=2, min_confidence=0.0)
     if kind == "iid-tree":
         return DraftModelProposer(draft, branching=[3, 2], children="sample")
     return DraftModelProposer(draft, branching=[3, 2], children="topk")

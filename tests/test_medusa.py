@@ -5,45 +5,41 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from argparse import Namespace
 from contextlib import contextmanager
 
 import pytest
 import torch
+from medusa_reference import medusa_loss, rank_hits
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eval.acceptance import TreeOutcome
 from eval.engine import SpeculativeEngine
-from eval.medusa import (
-    MedusaProposer,
-    MedusaTree,
-    TypicalMedusaProposer,
-    build_medusa_tree,
-    choose_node_budget,
-    expected_tau,
-    grow_medusa_tree,
-    measure_head_cost,
-    measure_verify_cost,
-    plan_medusa_tree,
-    typical_acceptance,
-)
+from eval.medusa import MedusaProposer, MedusaTree, TypicalMedusaProposer, typical_acceptance
 from eval.sampling import SamplingParams, warp
 from eval.tree import DraftTree
 from heads.medusa import (
     MedusaConfig,
     MedusaHeads,
     accuracy_metrics,
-    check_tree,
     export_medusa,
     load_medusa,
     load_medusa_export,
-    medusa_loss,
     medusa_param_counts,
     rank_accuracy,
-    rank_hits,
     save_medusa,
     topk_accuracy,
+)
+from heads.medusa_tree import (
+    build_medusa_tree,
+    check_tree,
+    choose_tree,
+    choose_tree_nodes,
+    expected_tau,
+    grow_medusa_tree,
+    measure_head_cost,
+    measure_verify_cost,
+    plan_medusa_tree,
 )
 from heads.target import wrap_target
 
@@ -318,25 +314,25 @@ def test_bad_trees_and_accuracies_are_refused():
         build_medusa_tree([[0.5, 0.1], [0.4]], 3)
     with pytest.raises(ValueError, match="num_heads >= 1"):
         build_medusa_tree(torch.zeros(0, 3), 3)
-    with pytest.raises(ValueError, match="node budget"):
+    with pytest.raises(ValueError, match="tree_nodes must be an integer"):
         build_medusa_tree([[0.5]], 0)
 
 
 def test_budget_maximises_expected_tau_per_cost():
     acc = [[0.9], [0.9], [0.9]]  # a chain: taus 1.9, 2.71, 3.439 for 1, 2, 3 nodes
     gentle = {1: 1.0, 2: 1.5, 3: 2.0, 4: 2.5}
-    choice = choose_node_budget(acc, gentle)
-    assert choice.node_budget == 3 and choice.tree == [(0,), (0, 0), (0, 0, 0)]
+    choice = choose_tree_nodes(acc, gentle)
+    assert choice.tree_nodes == 3 and choice.tree == [(0,), (0, 0), (0, 0, 0)]
     assert choice.expected_tau == pytest.approx(3.439)
     assert choice.predicted_speedup == pytest.approx(3.439 / 2.5)
     steep = {1: 1.0, 2: 1.2, 3: 2.2, 4: 3.2}
-    assert choose_node_budget(acc, steep).node_budget == 1
+    assert choose_tree_nodes(acc, steep).tree_nodes == 1
     # costs between measured sizes are interpolated linearly
-    assert choose_node_budget(acc, {1: 1.0, 4: 2.5}).node_budget == 3
+    assert choose_tree_nodes(acc, {1: 1.0, 4: 2.5}).tree_nodes == 3
     # the heads' own cost counts too: 1.9/(1.2+h) vs 3.439/(3.2+h) flips for a large h
-    assert choose_node_budget(acc, steep, head_seconds=10.0).node_budget == 3
+    assert choose_tree_nodes(acc, steep, head_seconds=10.0).tree_nodes == 3
     with pytest.raises(ValueError, match="1 token"):
-        choose_node_budget(acc, {2: 1.0, 4: 2.0})
+        choose_tree_nodes(acc, {2: 1.0, 4: 2.0})
 
 
 def test_cost_measurement_and_plan_on_a_tiny_target(target32):
@@ -347,7 +343,7 @@ def test_cost_measurement_and_plan_on_a_tiny_target(target32):
         assert measure_head_cost(heads, topk=3, repeats=2) > 0
         tree, info = plan_medusa_tree(target32, heads, [[0.5, 0.2], [0.4, 0.1]], sizes=(1, 2, 4),
                                       context=16, repeats=1)
-    assert 1 <= len(tree) <= 3 and info["node_budget"] == len(tree)
+    assert 1 <= len(tree) <= 3 and info["tree_nodes"] == len(tree)
     assert info["expected_tau"] == pytest.approx(expected_tau(tree, info["rank_accuracies"]))
     assert set(info["verify_seconds"]) == {"1", "2", "4"}
 
@@ -383,8 +379,8 @@ def test_greedy_with_a_medusa_tree_equals_target_greedy(target32, share):
                 do_sample=False, pad_token_id=0)[0, 6:].tolist()
             out = engine.generate(prompt[0].tolist(), 30, SamplingParams(), proposer)
             assert out.tokens == reference
-            assert out.target_passes < 30 or not any(out.accepted_at)
-            accepted += sum(out.accepted_at)
+            assert out.target_passes < 30 or not any(out.acceptance.accepted_per_depth)
+            accepted += sum(out.acceptance.accepted_per_depth)
     assert accepted > 0, "no draft token was ever accepted: the test would not exercise the tree"
 
 
@@ -490,7 +486,7 @@ def test_temperature_one_distribution_matches_the_target(target6):
                 g = engine.generate(prompt, 4, params, proposer, seed=seed)
                 key = tuple(g.tokens[:3])
                 counts[key] = counts.get(key, 0) + 1
-                for d, a in enumerate(g.accepted_at[:2]):
+                for d, a in enumerate(g.acceptance.accepted_per_depth[:2]):
                     accepted[d] += a
         return counts, accepted
 
@@ -555,13 +551,19 @@ def test_artifact_round_trip_and_tree_override(target32, tmp_path, share):
     art = load_medusa(tmp_path / "a", target32)
     h = torch.randn(5, 64, dtype=torch.float64)
     assert torch.equal(art.heads(h), heads(h)) and art.tree == tree
-    proposer = MedusaProposer.from_artifact(str(tmp_path / "a"), target32, None)
+    proposer = MedusaProposer.from_artifact(str(tmp_path / "a"), target32)
     assert proposer.tree.paths == tree
-    bigger = MedusaProposer.from_artifact(str(tmp_path / "a"), target32,
-                                          Namespace(tree_nodes=10, tree_depth=2, tree_topk=None))
+    bigger = MedusaProposer.from_artifact(str(tmp_path / "a"), target32, tree_nodes=10,
+                                          max_depth=2)
     assert bigger.tree.paths == build_medusa_tree(acc, 10, max_depth=2)
-    typical = MedusaProposer.from_artifact(f"typical:{tmp_path / 'a'}", target32, None)
+    narrow = MedusaProposer.from_artifact(str(tmp_path / "a"), target32, max_topk=1)
+    assert narrow.tree.paths == build_medusa_tree([row[:1] for row in acc], len(tree))
+    typical = MedusaProposer.from_artifact(tmp_path / "a", target32, typical=True,
+                                           posterior_threshold=0.2, posterior_alpha=0.5)
     assert isinstance(typical, TypicalMedusaProposer) and not typical.exact
+    assert (typical.posterior_threshold, typical.posterior_alpha) == (0.2, 0.5)
+    with pytest.raises(ValueError, match="typical"):
+        MedusaProposer.from_artifact(tmp_path / "a", target32, posterior_threshold=0.2)
     if share:
         with pytest.raises(ValueError, match="pass target"):
             load_medusa(tmp_path / "a")
@@ -577,9 +579,13 @@ def test_artifact_errors(target32, tmp_path):
     with pytest.raises(ValueError, match="trained for target 'tiny32'"):
         load_medusa(tmp_path / "a", other)
     with pytest.raises(ValueError, match="trained for target"):
-        MedusaProposer.from_artifact(str(tmp_path / "a"), other, None)
+        MedusaProposer.from_artifact(str(tmp_path / "a"), other)
     with pytest.raises(ValueError, match="no held-out rank accuracies"):
-        MedusaProposer.from_artifact(str(tmp_path / "a"), target32, Namespace(tree_nodes=4))
+        MedusaProposer.from_artifact(str(tmp_path / "a"), target32, tree_nodes=4)
+    # without accuracies a stored tree can still be cut to a depth
+    assert MedusaProposer.from_artifact(tmp_path / "a", target32, max_depth=1).tree.paths == [(0,)]
+    with pytest.raises(ValueError, match="tree_nodes"):
+        MedusaProposer.from_artifact(tmp_path / "a", target32, tree_nodes=0)
     with pytest.raises(FileNotFoundError):
         load_medusa(tmp_path / "missing", target32)
     with pytest.raises(ValueError, match="do not fit"):
@@ -683,3 +689,22 @@ def test_smollm2_greedy_with_identity_started_heads(tmp_path):
                      "--max-new-tokens", "16", "--warmup", "0", "--no-progress"])
     by_name = {r["method"]: r for r in records}
     assert by_name[f"medusa:{tmp_path / 'a'}"]["greedy_identical"] is True
+
+
+def test_choose_tree_is_the_one_entry_for_trainer_and_evaluator(target32):
+    acc = [[0.5, 0.2, 0.1], [0.4, 0.2, 0.1]]
+    tree, info = choose_tree(acc, num_heads=2, tree_nodes=4)
+    assert tree == build_medusa_tree(acc, 4) and info["tree_nodes"] == 4
+    assert info["expected_tau"] == pytest.approx(expected_tau(tree, acc))
+    assert choose_tree(acc, 2, 4, max_depth=1)[0] == [(0,), (1,), (2,)]
+    assert choose_tree(acc, 2, 5, max_topk=1)[0] == [(0,), (0, 0)]
+    chain, info = choose_tree(None, num_heads=3, tree_nodes=8)
+    assert chain == [(0,), (0, 0), (0, 0, 0)] and "no held-out" in info["note"]
+    with pytest.raises(ValueError, match="pass target= and heads="):
+        choose_tree(acc, 2, "auto")
+    with one_thread():
+        heads = random_heads(target32, num_heads=2)
+        auto, info = choose_tree(acc, 2, "auto", target=target32, heads=heads)
+    assert len(auto) == info["tree_nodes"] and "verify_seconds" in info
+    with pytest.raises(ValueError, match="tree_nodes must be"):
+        choose_tree(acc, 2, "many")

@@ -13,19 +13,14 @@ from safetensors.torch import load_file
 
 from eval.engine import measure_acceptance
 from eval.proposers import DraftModelProposer
+from eval.report import wandb_mode
 from eval.sampling import SamplingParams
 from train.accelerator import make_accelerator
 from train.batches import BatchPlan
 from train.checkpoints import TrainState, read_checkpoint_state
 from train.config import config_from_dict
 from train.optimizer import learning_rate
-from train.tracking import (
-    AcceptanceEval,
-    MetricsLogger,
-    resolve_prompts_file,
-    rewind_jsonl,
-    wandb_mode,
-)
+from train.tracking import AcceptanceEval, MetricsLogger, resolve_prompts_file, rewind_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = REPO / "tests" / "fixtures" / "toy_train.py"
@@ -155,14 +150,24 @@ def test_a_resumed_logger_drops_records_past_its_step(toy, tmp_path):
     assert not (tmp_path / "missing.jsonl").exists()
 
 
-def test_wandb_run_is_offline_in_the_output_dir(toy, tmp_path, monkeypatch):
-    monkeypatch.delenv("WANDB_MODE", raising=False)
+def test_wandb_run_is_offline_in_the_output_dir_when_not_logged_in(toy, tmp_path, monkeypatch,
+                                                                    capsys):
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))  # not logged in
     assert wandb_mode() == "offline"
     out = tmp_path / "run"
     toy.main(config(toy, out, max_steps=2, report_to="wandb", run_name="toy-run"))
     run_id = read_checkpoint_state(out / "checkpoints" / "step_2")["wandb_run_id"]
     runs = list((out / "wandb").glob(f"offline-run-*-{run_id}"))
     assert len(runs) == 1 and any(runs[0].iterdir())
+    said = capsys.readouterr().err
+    assert "W&B: offline (not logged in to W&B)" in said and "wandb sync" in said
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine api.wandb.ai login user password " + "0" * 40 + "\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    assert wandb_mode() == "online"  # logged in: W&B's own default
     monkeypatch.setenv("WANDB_MODE", "online")
     assert wandb_mode() == "online"  # a user's explicit choice wins
 
@@ -179,7 +184,7 @@ def test_acceptance_eval_leaves_the_training_random_state_alone(toy, tmp_path, p
         torch.rand(5)  # a proposer that draws from the global RNG while being built
         assert not module.training
         # the target drafting for itself: greedy, so every draft token is accepted
-        return DraftModelProposer(target.model, max_depth=2)
+        return DraftModelProposer(target.model, max_depth=2, min_confidence=0.0)
 
     evaluation = AcceptanceEval(accelerator, cfg, target, noisy_proposer)
     assert len(evaluation.prompts) == 1 and evaluation.prompts[0] == target.chat_ids(PROMPTS[0])

@@ -339,10 +339,8 @@ def test_the_exported_draft_works_in_eval_bench_and_transformers(files, whole_ru
     target = load_target(files["target"])
     prompt = target.chat_ids("w1 w2 w3")
 
-    class Args:
-        draft_depth, draft_min_confidence = 4, 0.0
-
-    plain, speculative = build_methods(["plain", f"draft:{artifact}"], target, Args())
+    plain, speculative = build_methods(["plain", f"draft:{artifact}"], target,
+                                       draft_options={"max_depth": 4, "min_confidence": 0.0})
     greedy = SamplingParams(temperature=0.0)
     expected = plain.run(prompt, 12, greedy, seed=0).tokens
     assert speculative.run(prompt, 12, greedy, seed=0).tokens == expected

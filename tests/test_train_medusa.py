@@ -15,11 +15,11 @@ import random
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from medusa_reference import medusa_loss, rank_hits
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -30,7 +30,7 @@ from eval.engine import SpeculativeEngine
 from eval.medusa import MedusaProposer
 from eval.sampling import SamplingParams
 from heads.chunked_loss import projected_cross_entropy
-from heads.medusa import MedusaHeads, export_medusa, load_medusa, medusa_loss, rank_hits
+from heads.medusa import MedusaHeads, export_medusa, load_medusa
 from heads.target import load_target, resolve_target, wrap_target
 from train.config import config_from_dict, config_to_dict, parse_config
 from train.medusa import (
@@ -97,7 +97,7 @@ def base_config(files, out: Path, **overrides) -> MedusaTrainConfig:
         eval_prompts=files["eval"], max_length=64, per_device_batch_size=4, max_steps=4,
         warmup_steps=1, learning_rate=1e-2, save_every=2, keep_checkpoints=None, log_every=1,
         eval_every=2, eval_max_new_tokens=8, heldout_fraction=0.2, heldout_max_rows=4,
-        heldout_every=2, share_lm_head=False, tree_budget="auto", seed=3)
+        heldout_every=2, share_lm_head=False, tree_nodes="auto", seed=3)
     values.update(overrides)
     return config_from_dict(MedusaTrainConfig, values)
 
@@ -148,8 +148,8 @@ def test_shipped_configs_parse_and_bad_keys_are_refused():
         parse_config(MedusaTrainConfig, ["--loss_decay", "0"])
     with pytest.raises(ValueError, match="'kl_weight' applies to Medusa-2 only"):
         parse_config(MedusaTrainConfig, ["--kl_weight", "0.5"])
-    with pytest.raises(ValueError, match="'tree_budget' must be 'auto' or a node count"):
-        parse_config(MedusaTrainConfig, ["--tree_budget", "many"])
+    with pytest.raises(ValueError, match="'tree_nodes' must be 'auto' or a node count"):
+        parse_config(MedusaTrainConfig, ["--tree_nodes", "many"])
     with pytest.raises(ValueError, match="LM head and the embedding stay frozen"):
         parse_config(MedusaTrainConfig, ["--medusa2", "--lora_target_modules", "q_proj,lm_head"])
     with pytest.raises(ValueError, match="kl_weight 0 and lm_loss_weight 0"):
@@ -381,13 +381,12 @@ def test_medusa1_artifact_loads_in_the_evaluator_and_decodes_greedily_exactly(fi
     _, result = medusa1
     target = load_target(files["target"])
     info = result["tree_info"]
-    assert info["node_budget"] == len(result["tree"]) and "verify_seconds" in info
+    assert info["tree_nodes"] == len(result["tree"]) and "verify_seconds" in info
     assert len(info["rank_accuracies"]) == 2 and len(info["rank_accuracies"][0]) == 10
     proposer = MedusaProposer.from_artifact(result["artifact"], target)
     assert proposer.tree.paths == result["tree"]
     # a wider tree rebuilt from the stored accuracies, as eval.bench --tree-nodes does
-    wide = MedusaProposer.from_artifact(result["artifact"], target,
-                                        SimpleNamespace(tree_nodes=12))
+    wide = MedusaProposer.from_artifact(result["artifact"], target, tree_nodes=12)
     assert len(wide.tree) == 12 and wide.tree.max_depth == 2
     prompt = target.chat_ids("Count from 3 to 9.")
     plain = greedy(target, None, prompt)
@@ -429,7 +428,7 @@ def test_resume_continues_exactly(files, medusa1, tmp_path, monkeypatch):
 def test_regenerated_data_comes_from_the_target(files, tmp_path):
     cfg = base_config(files, tmp_path, regenerate=True, regenerate_max_new_tokens=6,
                       regenerate_temperature=0.0, max_steps=1, eval_every=0, heldout_every=0,
-                      tree_budget="3", num_heads=1)
+                      tree_nodes="3", num_heads=1)
     result = main(cfg)
     lines = [json.loads(line) for line in (tmp_path / "regenerated.jsonl").read_text().splitlines()]
     assert len(lines) == 24 and {m["role"] for m in lines[0]["messages"]} == {"user", "assistant"}
@@ -450,7 +449,7 @@ def test_two_processes_regenerate_their_shares_and_train_the_one_process_steps(f
     the steps one process trains on the same answers."""
     common = dict(regenerate=True, regenerate_max_new_tokens=6, regenerate_temperature=0.0,
                   max_steps=2, eval_every=2, eval_num_prompts=2, heldout_every=0,
-                  tree_budget="3", num_heads=2, save_every=0)
+                  tree_nodes="3", num_heads=2, save_every=0)
     cfg = base_config(files, tmp_path / "two", per_device_batch_size=2, **common)
     argv = [f"--{k}={','.join(map(str, v)) if isinstance(v, list) else v}"
             for k, v in config_to_dict(cfg).items() if v is not None]
@@ -488,7 +487,7 @@ def test_medusa2_trains_adapters_exports_the_merged_target_and_resumes(files, tm
     kwargs = dict(medusa2=True, share_lm_head=True, soft_labels=True, lora_r=4, lora_alpha=8.0,
                   lora_target_modules=["q_proj", "v_proj"], kl_weight=1.0, lm_loss_weight=0.5,
                   heads_loss_weight=0.5, max_steps=2, save_every=1, eval_every=2,
-                  heldout_every=0, tree_budget="4", learning_rate=5e-2)
+                  heldout_every=0, tree_nodes="4", learning_rate=5e-2)
     out = tmp_path / "run"
     result = main(base_config(files, out, **kwargs))
     base = weights_on_disk(files["target"])

@@ -410,7 +410,8 @@ class TrainConfig:
 
     log_every: int = option(10, "write metrics every N optimizer steps", may_change_on_resume=True)
     report_to: Literal["none", "wandb"] = option(
-        "none", "also log to Weights & Biases (offline unless WANDB_MODE=online)",
+        "none", "also log to Weights & Biases (online when logged in, else offline; WANDB_MODE "
+        "decides when set)",
         may_change_on_resume=True)
     wandb_project: str = option("draftsmith", "W&B project name", may_change_on_resume=True)
     run_name: str | None = option(

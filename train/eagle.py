@@ -56,7 +56,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch
 
-from eval.eagle import DEFAULT_DEPTH, DEFAULT_TOPK, DEFAULT_TOTAL_TOKENS, EagleProposer
+from eval.eagle import DEFAULT_DEPTH, DEFAULT_TOPK, DEFAULT_TREE_NODES, EagleProposer
 from heads.artifact import save_artifact
 from heads.eagle import (
     DEFAULT_CE_WEIGHT,
@@ -120,7 +120,7 @@ class EagleTrainConfig(TrainConfig):
                              may_change_on_resume=True)
     tree_topk: int = option(DEFAULT_TOPK, "evaluation: children per expanded tree node",
                             may_change_on_resume=True)
-    tree_nodes: int = option(DEFAULT_TOTAL_TOKENS, "evaluation: draft tokens per tree",
+    tree_nodes: int = option(DEFAULT_TREE_NODES, "evaluation: draft tokens per tree",
                              may_change_on_resume=True)
 
     def __post_init__(self) -> None:
@@ -269,7 +269,8 @@ def build(cfg: EagleTrainConfig) -> Recipe:
                       "draft_vocab/coverage": coverage})
     acceptance = AcceptanceEval(
         accelerator, cfg, target,
-        lambda module: EagleProposer(module.head, cfg.tree_depth, cfg.tree_topk, cfg.tree_nodes))
+        lambda module: EagleProposer(module.head, depth=cfg.tree_depth, topk=cfg.tree_topk,
+                                     tree_nodes=cfg.tree_nodes))
     return Recipe(cfg, accelerator, target, batches, model, step,
                   export=partial(export, cfg, accelerator, target, config, report),
                   evaluators=[acceptance], first_record=first, on_resume=check_vocabulary)

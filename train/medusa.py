@@ -41,8 +41,8 @@ accuracies). Every ``eval_every`` steps ``eval/tau`` and ``eval/alpha``, measure
 speculative engine with that tree.
 
 At the end the heads' per-rank accuracies on the held-out rows give the static token tree
-(``tree_budget: auto``: the node budget that maximises expected tau per measured verification
-cost on this machine, see ``eval.medusa.plan_medusa_tree``; or a fixed node count), saved in
+(``tree_nodes: auto``: the node count that maximises expected tau per measured verification
+cost on this machine, see ``heads.medusa_tree.choose_tree``; or a fixed node count), saved in
 ``<output_dir>/artifact`` with the heads; ``final/expected_tau`` and (with ``eval_every`` > 0)
 ``final/tau`` measured with that tree are logged. ``python -m eval.bench --method
 medusa:<artifact>`` measures it; ``python -m heads.export`` writes the vLLM / TensorRT-LLM layouts.
@@ -68,7 +68,7 @@ from torch import nn
 
 from distill.draft import add_lora, merge_lora
 from distill.losses import next_token_mask
-from eval.medusa import MedusaProposer, build_medusa_tree, expected_tau, plan_medusa_tree
+from eval.medusa import MedusaProposer
 from heads.artifact import FORMAT_VERSION
 from heads.chunked_loss import projected_cross_entropy
 from heads.medusa import (
@@ -76,11 +76,11 @@ from heads.medusa import (
     MedusaConfig,
     MedusaHeads,
     accuracy_metrics,
-    default_chain,
     medusa_param_counts,
     rank_accuracy,
     save_medusa,
 )
+from heads.medusa_tree import choose_tree, default_chain, expected_tau
 from heads.output_dir import write_dir
 from heads.target import Target, load_target, wrap_target
 from train.accelerator import make_accelerator
@@ -149,8 +149,8 @@ class MedusaTrainConfig(TrainConfig):
     tree_topk: int = option(
         10, "ranks counted per head on the held-out rows: the tree's widest branching",
         may_change_on_resume=True)
-    tree_budget: str = option(
-        "auto", "nodes of the final tree: auto (the budget maximising expected tau per measured "
+    tree_nodes: str = option(
+        "auto", "nodes of the final tree: auto (the count maximising expected tau per measured "
         "verification cost on this machine) or a node count", may_change_on_resume=True)
     eval_tree_nodes: int = option(
         16, "nodes of the tree used by the acceptance evaluation while training",
@@ -183,10 +183,10 @@ class MedusaTrainConfig(TrainConfig):
         if not 0.0 <= self.heldout_fraction < 1.0:
             raise ValueError(f"config key 'heldout_fraction' must be in [0, 1), got "
                              f"{self.heldout_fraction}")
-        if self.tree_budget != "auto" and not (self.tree_budget.isdigit()
-                                               and int(self.tree_budget) >= 1):
-            raise ValueError(f"config key 'tree_budget' must be 'auto' or a node count >= 1, "
-                             f"got {self.tree_budget!r}")
+        if self.tree_nodes != "auto" and not (self.tree_nodes.isdigit()
+                                              and int(self.tree_nodes) >= 1):
+            raise ValueError(f"config key 'tree_nodes' must be 'auto' or a node count >= 1, "
+                             f"got {self.tree_nodes!r}")
         if not self.medusa2:
             for key, default in _MEDUSA2_ONLY.items():
                 if getattr(self, key) != default:
@@ -503,30 +503,22 @@ class HeldOutAccuracy(PeriodicEval):
                 f"{record['heldout/expected_tau']:.3f} ({self.cfg.eval_tree_nodes} nodes)")
 
 
+def _accuracies(hits: torch.Tensor, totals: torch.Tensor) -> list | None:
+    return rank_accuracy(hits, totals).tolist() if int(totals.sum()) else None
+
+
 def eval_tree(cfg: MedusaTrainConfig, hits: torch.Tensor, totals: torch.Tensor):
     """The tree the acceptance evaluation uses while training."""
-    if not int(totals.sum()):
-        return default_chain(cfg.num_heads)
-    return build_medusa_tree(rank_accuracy(hits, totals).tolist(), cfg.eval_tree_nodes)
+    return choose_tree(_accuracies(hits, totals), cfg.num_heads, cfg.eval_tree_nodes)[0]
 
 
 def final_tree(cfg: MedusaTrainConfig, verifier: Target, heads: MedusaHeads, hits: torch.Tensor,
                totals: torch.Tensor) -> tuple[list, dict]:
     """(tree, tree_info) for the artifact, from the final held-out accuracies."""
-    info: dict = {"heldout_positions": totals.tolist()}
-    if not int(totals.sum()):
-        info["note"] = ("no held-out positions (heldout_fraction 0, or no scored tokens): each "
-                        "head's top-1 chain")
-        return default_chain(cfg.num_heads), info
-    acc = rank_accuracy(hits, totals).tolist()
-    if cfg.tree_budget == "auto":
-        tree, planned = plan_medusa_tree(verifier, heads, acc)
-        info.update(planned)
-        return tree, info
-    tree = build_medusa_tree(acc, int(cfg.tree_budget))
-    info.update({"rank_accuracies": acc, "node_budget": int(cfg.tree_budget),
-                 "expected_tau": expected_tau(tree, acc)})
-    return tree, info
+    nodes = cfg.tree_nodes if cfg.tree_nodes == "auto" else int(cfg.tree_nodes)
+    tree, info = choose_tree(_accuracies(hits, totals), cfg.num_heads, nodes, target=verifier,
+                             heads=heads)
+    return tree, {**info, "heldout_positions": totals.tolist()}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -8,8 +8,9 @@ process and flushed line by line, e.g.::
     {"step": 500, "eval/tau": 2.7, "eval/alpha": 0.62, "eval/alpha_depth_1": 0.8, ...}
 
 The same records go to the trackers accelerate was given (``report_to: wandb``; the W&B run
-lives in ``<output_dir>/wandb`` and is offline unless ``WANDB_MODE`` says otherwise, so nothing
-leaves the machine by default). A resumed run first drops the lines past its checkpoint's step,
+lives in ``<output_dir>/wandb``; W&B's own convention decides where it goes: ``$WANDB_MODE`` when
+set, else online when you are logged in and offline otherwise, said at the start with the
+``wandb sync`` command for an offline run). A resumed run first drops the lines past its checkpoint's step,
 so the file tells one consistent history.
 
 Values are accumulated as detached tensors on the device; ``.item()`` (one all-reduce and one
@@ -34,6 +35,7 @@ from tqdm.auto import tqdm
 from eval.engine import measure_acceptance
 from eval.prompts import read_prompts
 from eval.proposers import Proposer
+from eval.report import announce_wandb_run, wandb_mode
 from eval.sampling import SamplingParams
 from train.checkpoints import TrainState
 from train.config import config_to_dict
@@ -47,11 +49,6 @@ def peak_memory_gb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**30
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30
-
-
-def wandb_mode() -> str:
-    """``$WANDB_MODE`` when the user set it (online, offline, disabled), else offline."""
-    return os.environ.get("WANDB_MODE") or "offline"
 
 
 def rewind_jsonl(path: Path, step: int) -> None:
@@ -103,12 +100,15 @@ class MetricsLogger:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             rewind_jsonl(self.path, state.step)
             self._file = open(self.path, "a", encoding="utf-8")
-        if cfg.report_to == "wandb":
+        if cfg.report_to == "wandb":  # W&B's convention: online when logged in, else offline
             output_dir = Path(cfg.output_dir).resolve()
+            mode = wandb_mode()
             accelerator.init_trackers(cfg.wandb_project, config=config_to_dict(cfg), init_kwargs={
                 "wandb": {"name": cfg.run_name or output_dir.name, "dir": str(output_dir),
-                          "id": state.wandb_run_id, "resume": "allow", "mode": wandb_mode()},
+                          "id": state.wandb_run_id, "resume": "allow", "mode": mode},
             })
+            if self.is_main:
+                announce_wandb_run(accelerator.get_tracker("wandb", unwrap=True), mode)
         self.bar = tqdm(total=state.total_steps, initial=state.step, desc="training", unit="step",
                         disable=not self.is_main, dynamic_ncols=True)
 
@@ -324,11 +324,10 @@ class AcceptanceEval(PeriodicEval):
                 seed=self.cfg.seed + first + k * step)
             sums[0] += result["decode_tokens"]
             sums[1] += result["target_passes"]
-            for depth, (a, t) in enumerate(zip(result["accepted_per_depth"],
-                                               result["tried_per_depth"], strict=True)):
-                if depth < MAX_DEPTH:
-                    sums[2 + depth] += a
-                    sums[2 + MAX_DEPTH + depth] += t
+            for offset, counts in ((2, result["accepted_per_depth"]),
+                                   (2 + MAX_DEPTH, result["tried_per_depth"])):
+                for depth, count in enumerate(counts[:MAX_DEPTH]):
+                    sums[offset + depth] += count
         return sums
 
     def summarise(self, state: TrainState, sums: list[float]) -> dict:

@@ -1,0 +1,755 @@
+"""The benchmark's report: one self-contained HTML page, the same tables and plots in W&B.
+
+    python -m eval.report REPORT.json [REPORT.json ...] [--metrics runs/*/metrics.jsonl] \\
+        --out report.html
+
+The page (images embedded, nothing fetched) has, for every report: the run's set-up and the
+greedy-equality verdict; speedup over ``hf`` per method with its 95% interval; tokens/s per
+prompt; tau with its interval and alpha per tree depth; the histogram of accepted lengths; the
+table per category; the greedy differences, classified. With ``--metrics``, the training curves
+of each run: loss, top-1 accuracy per test-time step (EAGLE) or per head (Medusa), and the
+acceptance ``eval/tau`` measured while training.
+
+Bad input never ends in a traceback: a report that is not valid JSON, truncated, from another
+version or another tool is skipped with the reason on the page and on stderr; garbage lines in a
+metrics file are counted and skipped; a figure with nothing to show is replaced by a sentence
+saying what is missing, never drawn empty.
+
+W&B (``eval.bench --wandb``, and training's ``report_to: wandb`` through :func:`wandb_mode` and
+:func:`announce_wandb_run`) follows W&B's own convention: online when the user is logged in,
+offline otherwise, and the run says which at its start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import io
+import json
+import math
+import netrc
+import os
+import re
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from eval.summary import (
+    BOOTSTRAP_RESAMPLES,
+    CONFIDENCE,
+    REPORT_FORMAT,
+    REPORT_VERSION,
+    greedy_summary,
+)
+
+SECTIONS = (
+    ("summary", "Set-up and verdict"),
+    ("speedup", "Speedup over hf, with 95% intervals"),
+    ("tokens-per-prompt", "Tokens per second, prompt by prompt"),
+    ("acceptance", "Tau and alpha per depth"),
+    ("accepted-lengths", "Accepted lengths"),
+    ("categories", "Per category"),
+    ("greedy", "Greedy equality"),
+    ("training", "Training curves"),
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# files
+
+
+def check_writable(path: str | os.PathLike) -> Path:
+    """Fail now, not after a long run, when ``path`` cannot be written (creates its folder)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory; give a file name inside it")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=True):
+            pass
+    except OSError as err:
+        raise ValueError(f"cannot write {path}: {err.strerror or err}") from err
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"cannot write {path}: the file is read-only")
+    return path
+
+
+def write_atomic(path: str | os.PathLike, content: str | bytes) -> Path:
+    """Write a file whole or not at all: a temporary file beside it, then a rename.
+
+    The file gets the usual permissions (0666 less the umask), so others can read a report.
+    """
+    path = Path(path)
+    data = content.encode("utf-8") if isinstance(content, str) else content
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+class ReportError(ValueError):
+    """A report file that cannot be used, with the reason in words."""
+
+
+def read_report(path: str | os.PathLike) -> dict:
+    """A benchmark report JSON, checked; raises ReportError saying what is wrong."""
+    path = Path(path)
+    if not path.is_file():
+        raise ReportError(f"{path}: no such file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ReportError(f"{path}: cannot be read ({err})") from err
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        hint = " (the file ends early: truncated?)" if err.pos >= len(text.rstrip()) else ""
+        raise ReportError(f"{path}: not valid JSON at line {err.lineno}, column {err.colno}"
+                          f"{hint}") from err
+    if not isinstance(data, dict) or not isinstance(data.get("methods"), list):
+        raise ReportError(f"{path}: not an eval.bench report (no 'methods' list)")
+    fmt = data.get("format")
+    if fmt is not None and fmt != REPORT_FORMAT:
+        raise ReportError(f"{path}: a {fmt!r} file, not an eval.bench report")
+    version = data.get("version", 1)
+    if not isinstance(version, int) or version > REPORT_VERSION:
+        raise ReportError(f"{path}: written by a newer draftsmith (report version {version!r}; "
+                          f"this one reads up to {REPORT_VERSION}): upgrade draftsmith")
+    bad = [i for i, r in enumerate(data["methods"])
+           if not isinstance(r, dict) or not isinstance(r.get("method"), str)]
+    if bad or not data["methods"]:
+        raise ReportError(f"{path}: its 'methods' list is empty or holds entries without a "
+                          f"method name (entries {bad[:5]})")
+    data.setdefault("config", {})
+    if not isinstance(data["config"], dict):
+        data["config"] = {}
+    data["version"] = version
+    return data
+
+
+@dataclass
+class Metrics:
+    name: str
+    records: list[dict]
+    skipped: int = 0  # lines that were not JSON objects with an integer step
+
+
+def read_metrics(path: str | os.PathLike) -> Metrics:
+    """A training run's metrics.jsonl; lines that are not records are counted and skipped."""
+    path = Path(path)
+    name = path.parent.name or path.name
+    if not path.is_file():
+        raise ReportError(f"{path}: no such file")
+    records, skipped = [], 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                skipped += 1
+                continue
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int) \
+                    or isinstance(record.get("step"), bool):
+                skipped += 1
+                continue
+            records.append(record)
+    return Metrics(name, records, skipped)
+
+
+# ---------------------------------------------------------------------------------------------
+# figures: each returns PNG bytes, or None when there is nothing to draw (the caller says why)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig) -> bytes:
+    plt = _pyplot()
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _interval(record: dict, key: str):
+    value = record.get(key)
+    if (isinstance(value, list) and len(value) == 2
+            and all(_number(v) is not None for v in value)):
+        return [float(v) for v in value]
+    return None
+
+
+def _bars_with_intervals(records: list[dict], key: str, ci_key: str, xlabel: str,
+                         reference: float | None) -> bytes | None:
+    rows = [(r["method"], _number(r.get(key)), _interval(r, ci_key)) for r in records]
+    rows = [row for row in rows if row[1] is not None]
+    if not rows:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.2))
+    names = [n for n, _, _ in rows]
+    values = [v for _, v, _ in rows]
+    lows = [v - ci[0] if ci else 0.0 for _, v, ci in rows]
+    highs = [ci[1] - v if ci else 0.0 for _, v, ci in rows]
+    ax.barh(range(len(rows)), values, xerr=[lows, highs], color="#4878a8", capsize=4)
+    ax.set_yticks(range(len(rows)), names)
+    ax.invert_yaxis()
+    if reference is not None:
+        ax.axvline(reference, color="#444", linewidth=1, linestyle="--")
+    if not any(ci for _, _, ci in rows):
+        xlabel = xlabel.split(" (bars")[0]  # nothing to draw the bars from
+    ax.set_xlabel(xlabel)
+    for i, (v, high) in enumerate(zip(values, highs)):
+        ax.text(v + high, i, f"  {v:.3f}", va="center", ha="left", fontsize=8)
+    ax.set_xlim(0, max(v + h for v, h in zip(values, highs)) * 1.15)
+    return _png(fig)
+
+
+def speedup_figure(records: list[dict]) -> bytes | None:
+    return _bars_with_intervals(records, "speedup", "speedup_ci95",
+                                "tokens/s over hf's (bars: 95% interval over prompts)", 1.0)
+
+
+def tau_figure(records: list[dict]) -> bytes | None:
+    return _bars_with_intervals(records, "tau", "tau_ci95",
+                                "tau: tokens per target forward (bars: 95% interval)", 1.0)
+
+
+def tokens_per_prompt_figure(records: list[dict]) -> bytes | None:
+    series = []
+    for r in records:
+        per = r.get("per_prompt")
+        if not isinstance(per, dict):
+            continue
+        try:
+            tokens = [sum(col) for col in zip(*per["new_tokens"])]
+            seconds = [sum(col) for col in zip(*per["seconds"])]
+        except (KeyError, TypeError):
+            continue
+        rates = [t / s if s else None for t, s in zip(tokens, seconds)]
+        if any(v is not None for v in rates):
+            series.append((r["method"], rates))
+    if not series:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for name, rates in series:
+        xs = [i for i, v in enumerate(rates) if v is not None]
+        ax.plot(xs, [rates[i] for i in xs], marker="o", markersize=3, linewidth=1, label=name)
+    ax.set_xlabel("prompt (in the order run)")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_ylabel("tokens/s")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return _png(fig)
+
+
+def alpha_figure(records: list[dict]) -> bytes | None:
+    series = []
+    for r in records:
+        values = r.get("alpha_per_depth")
+        if isinstance(values, list) and any(_number(v) is not None for v in values):
+            series.append((r["method"], [_number(v) for v in values]))
+    if not series:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    for name, values in series:
+        depths = [d for d, v in enumerate(values, start=1) if v is not None]
+        ax.plot(depths, [values[d - 1] for d in depths], marker="o", label=name)
+    ax.set_xlabel("tree depth")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_ylabel("alpha (accepted / tried)")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return _png(fig)
+
+
+def accepted_lengths_figure(records: list[dict]) -> bytes | None:
+    series = []
+    for r in records:
+        hist = r.get("accepted_length_histogram")
+        if isinstance(hist, list) and hist and all(_number(v) is not None for v in hist) \
+                and sum(hist) > 0:
+            series.append((r["method"], [float(v) / sum(hist) for v in hist]))
+    if not series:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    width = 0.8 / len(series)
+    for k, (name, fractions) in enumerate(series):
+        ax.bar([i + k * width for i in range(len(fractions))], fractions, width=width, label=name)
+    longest = max(len(f) for _, f in series)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(longest)], [str(i) for i in range(longest)])
+    ax.set_xlabel("draft tokens accepted in a round")
+    ax.set_ylabel("fraction of rounds")
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def categories_figure(categories: list[dict]) -> bytes | None:
+    names = [c.get("category") for c in categories]
+    methods: dict[str, list[float | None]] = {}
+    for i, c in enumerate(categories):
+        for r in c.get("methods") or []:
+            if isinstance(r, dict) and r.get("method") != "hf":
+                methods.setdefault(r.get("method"), [None] * len(categories))[i] = \
+                    _number(r.get("speedup"))
+    methods = {m: v for m, v in methods.items() if any(x is not None for x in v)}
+    if not methods:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(names)), 4))
+    width = 0.8 / len(methods)
+    for k, (name, values) in enumerate(methods.items()):
+        xs = [i + k * width for i, v in enumerate(values) if v is not None]
+        ax.bar(xs, [v for v in values if v is not None], width=width, label=name)
+    ax.axhline(1.0, color="#444", linewidth=1, linestyle="--")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, rotation=30,
+                  ha="right")
+    ax.set_ylabel("speedup over hf")
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+_TOP1 = (re.compile(r"^acc_(\d+)$"), re.compile(r"^medusa/head(\d+)_top1$"))
+
+
+def training_figures(runs: list[Metrics]) -> list[tuple[str, bytes | None, str]]:
+    """(title, png or None, what is missing) for loss, top-1 per step / head, and eval tau."""
+    plt = _pyplot()
+
+    def curves(select) -> list[tuple[str, list[int], list[float]]]:
+        found = []
+        for run in runs:
+            keys = sorted({k for r in run.records for k in r if select(k)},
+                          key=lambda k: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", k)])
+            for key in keys:
+                points = [(r["step"], _number(r.get(key))) for r in run.records]
+                points = [(s, v) for s, v in points if v is not None]
+                if points:
+                    label = key if len(runs) == 1 else f"{run.name}: {key}"
+                    found.append((label, [s for s, _ in points], [v for _, v in points]))
+        return found
+
+    out = []
+    for title, select, ylabel in (
+        ("Training loss", lambda k: k == "loss", "loss"),
+        ("Top-1 accuracy per test-time step (EAGLE: acc_i) or per head (Medusa)",
+         lambda k: any(p.match(k) for p in _TOP1), "top-1 accuracy"),
+        ("Acceptance measured while training", lambda k: k == "eval/tau", "tau"),
+    ):
+        found = curves(select)
+        if not found:
+            out.append((title, None, f"no {ylabel} in these metrics"))
+            continue
+        fig, ax = plt.subplots(figsize=(8, 3.6))
+        for label, steps, values in found:
+            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3,
+                    linewidth=1, label=label)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if len(found) > 1:
+            ax.legend(fontsize=7)
+        out.append((title, _png(fig), ""))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the page
+
+
+@dataclass
+class Section:
+    key: str
+    title: str
+    blocks: list[str] = field(default_factory=list)  # HTML fragments
+    images: list[tuple[str, bytes]] = field(default_factory=list)  # (caption, png)
+
+
+@dataclass
+class Report:
+    sections: list[Section]
+    notes: list[str]  # files skipped, with the reason
+
+
+def _e(value) -> str:
+    return html.escape("" if value is None else str(value))
+
+
+def _fmt(value, digits: int = 3) -> str:
+    number = _number(value)
+    if number is None:
+        return "-" if value is None else _e(value)
+    if isinstance(value, int):
+        return str(value)
+    return f"{number:.{digits}f}"
+
+
+def _with_ci(record: dict, key: str, ci_key: str) -> str:
+    value = _number(record.get(key))
+    if value is None:
+        return "-"
+    ci = _interval(record, ci_key)
+    return f"{value:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+
+
+def _greedy_text(record: dict) -> str:
+    identical = record.get("greedy_identical")
+    if identical is None:
+        return "-"
+    if identical:
+        return "yes"
+    return _e(record.get("greedy_verdict") or "no")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{_e(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def methods_table(records: list[dict]) -> str:
+    header = ["method", "tau [95% CI]", "alpha", "alpha per depth", "tokens/s",
+              "speedup [95% CI]", "speedup per repeat", "target passes", "new tokens", "exact",
+              "greedy identical"]
+    rows = []
+    for r in records:
+        per_depth = r.get("alpha_per_depth")
+        per_depth = ", ".join(_fmt(v) for v in per_depth) if isinstance(per_depth, list) else "-"
+        repeats = r.get("speedup_per_repeat")
+        repeats = ", ".join(_fmt(v) for v in repeats) if isinstance(repeats, list) else "-"
+        rows.append([_e(r["method"]), _with_ci(r, "tau", "tau_ci95"), _fmt(r.get("alpha")),
+                     per_depth, _fmt(r.get("tokens_per_s"), 2),
+                     _with_ci(r, "speedup", "speedup_ci95"), repeats,
+                     _fmt(r.get("target_passes")), _fmt(r.get("new_tokens")),
+                     "yes" if r.get("exact", True) else "<b>no (lossy)</b>", _greedy_text(r)])
+    return _table(header, rows)
+
+
+def categories_table(categories: list[dict]) -> str:
+    names = [c.get("category") for c in categories]
+    methods = list(dict.fromkeys(r.get("method") for c in categories
+                                 for r in c.get("methods") or [] if isinstance(r, dict)))
+    header = ["method"] + [f"{n} ({c.get('num_prompts', '?')} "
+                           f"prompt{'' if c.get('num_prompts') == 1 else 's'})"
+                           for n, c in zip(names, categories)]
+    rows = []
+    for m in methods:
+        row = [_e(m)]
+        for c in categories:
+            r = next((x for x in c.get("methods") or [] if isinstance(x, dict)
+                      and x.get("method") == m), {})
+            speed = _with_ci(r, "speedup", "speedup_ci95")
+            row.append(f"{speed}x, tau {_fmt(r.get('tau'))}" if speed != "-" else
+                       f"tau {_fmt(r.get('tau'))}")
+        rows.append(row)
+    return _table(header, rows)
+
+
+def divergences_table(records: list[dict]) -> str:
+    rows = []
+    for r in records:
+        for d in r.get("divergences") or []:
+            if not isinstance(d, dict):
+                continue
+            ref2, m2 = d.get("reference_top2") or {}, d.get("method_top2") or {}
+            rows.append([_e(r["method"]), _fmt(d.get("prompt")), _fmt(d.get("position")),
+                         f"{_fmt(d.get('reference_token'))} / {_fmt(d.get('method_token'))}",
+                         f"{_fmt(ref2.get('margin'), 4)} / {_fmt(m2.get('margin'), 4)}",
+                         f"{_fmt(d.get('reference_gap'), 4)} / {_fmt(d.get('method_gap'), 4)}",
+                         f"{_fmt(d.get('tolerance'), 4)} ({_e(d.get('dtype', ''))})",
+                         f"<b>{_e(d.get('classification'))}</b> {_e(d.get('note', ''))}"])
+    if not rows:
+        return ""
+    return _table(["method", "prompt", "first differing token", "tokens hf / this",
+                   "top-1 - top-2 logit: hf run / this run",
+                   "gap between the two tokens: hf run / this run", "tolerance",
+                   "classification"], rows)
+
+
+def _config_table(config: dict) -> str:
+    keys = ["target", "prompts", "num_prompts", "skipped_prompts", "categories", "turn",
+            "max_new_tokens", "temperature", "top_k", "top_p", "seed", "repeats", "device",
+            "dtype", "attn_implementation", "draft_dtype", "method_options", "threads", "torch",
+            "transformers", "machine"]
+    rows = [[_e(k), _e(json.dumps(config[k]) if isinstance(config[k], (dict, list))
+                       else config[k])] for k in keys if k in config]
+    return _table(["setting", "value"], rows)
+
+
+def build_report(reports: list[tuple[str, dict]], metrics: list[Metrics],
+                 notes: list[str] | None = None) -> Report:
+    """The page's sections for the given reports and training metrics (already read)."""
+    notes = list(notes or [])
+    sections = {key: Section(key, title) for key, title in SECTIONS}
+    many = len(reports) > 1
+
+    def add(key: str, name: str | None, fragment: str = "",
+            image: tuple[str, bytes | None] | None = None, missing: str = "") -> None:
+        section = sections[key]
+        if many and name:
+            section.blocks.append(f"<h3>{_e(name)}</h3>")
+        if fragment:
+            section.blocks.append(fragment)
+        if image is not None:
+            caption, png = image
+            if png is None:
+                section.blocks.append(f"<p class='missing'>{_e(missing)}</p>")
+            else:
+                section.images.append((caption, png))
+                section.blocks.append(_img(caption, png))
+
+    for name, data in reports:
+        records = [r for r in data["methods"] if isinstance(r, dict)]
+        config = data.get("config", {})
+        verdict = data.get("greedy_summary") or greedy_summary(records)
+        old = data.get("version", 1) < REPORT_VERSION
+        intro = (f"<p><b>{_e(verdict)}</b></p>"
+                 + (f"<p class='missing'>{_e(name)} was written by an older eval.bench (report "
+                    "version 1): it holds no per-prompt figures, intervals, categories or "
+                    "accepted lengths; run eval.bench again for them.</p>" if old else "")
+                 + methods_table(records) + _config_table(config)
+                 + ("" if old else
+                    f"<p class='note'>Intervals: {int(CONFIDENCE * 100)}% percentile bootstrap "
+                    f"over prompts ({BOOTSTRAP_RESAMPLES} resamples, the method and hf "
+                    "resampled together), both fixed.</p>"))
+        add("summary", name, intro)
+        add("speedup", name, image=(f"{name}: speedup over hf", speedup_figure(records)),
+            missing="no method in this report has a speedup (hf was not run?)")
+        add("tokens-per-prompt", name,
+            image=(f"{name}: tokens/s per prompt", tokens_per_prompt_figure(records)),
+            missing="this report holds no per-prompt figures (an older eval.bench wrote it)")
+        add("acceptance", name, image=(f"{name}: tau", tau_figure(records)),
+            missing="no method in this report has a tau")
+        add("acceptance", None, image=(f"{name}: alpha per depth", alpha_figure(records)),
+            missing="no method in this report drafts tokens (alpha per depth needs one)")
+        add("accepted-lengths", name,
+            image=(f"{name}: accepted draft tokens per round", accepted_lengths_figure(records)),
+            missing="no accepted-length counts in this report (methods of ours that draft "
+                    "record them; transformers' do not)")
+        categories = [c for c in data.get("categories") or [] if isinstance(c, dict)]
+        empty = [c.get("category") for c in categories if not c.get("num_prompts")]
+        categories = [c for c in categories if c.get("num_prompts")]
+        if empty:
+            notes.append(f"{name}: categories without prompts skipped: {empty}")
+        if categories:
+            add("categories", name, categories_table(categories),
+                image=(f"{name}: speedup per category", categories_figure(categories)),
+                missing="no speedup per category (hf was not run?)")
+        else:
+            add("categories", name, "<p class='missing'>the prompts of this report carry no "
+                "category (MT-bench and Spec-Bench files do)</p>")
+        table = divergences_table(records)
+        add("greedy", name, f"<p>{_e(verdict)}</p>" + (table or (
+            "<p>no differing outputs</p>" if any(r.get("greedy_identical") is not None
+                                                 for r in records)
+            else "<p>not checked: sampling (temperature > 0)</p>")))
+    if metrics:
+        skipped = [f"{m.name}: {m.skipped} lines skipped (not a JSON record with an integer "
+                   "step)" for m in metrics if m.skipped]
+        fragment = "".join(f"<p class='missing'>{_e(s)}</p>" for s in skipped)
+        listed = ", ".join(f"{m.name} ({len(m.records)} records)" for m in metrics)
+        sections["training"].blocks.append(f"<p>runs: {_e(listed)}</p>{fragment}")
+        for title, png, missing in training_figures(metrics):
+            sections["training"].blocks.append(f"<h3>{_e(title)}</h3>")
+            if png is None:
+                sections["training"].blocks.append(f"<p class='missing'>{_e(missing)}</p>")
+            else:
+                sections["training"].images.append((title, png))
+                sections["training"].blocks.append(_img(title, png))
+    else:
+        sections["training"].blocks.append(
+            "<p class='missing'>no training metrics given (--metrics runs/NAME/metrics.jsonl)</p>")
+    return Report(list(sections.values()), notes)
+
+
+def _img(caption: str, png: bytes) -> str:
+    data = base64.b64encode(png).decode("ascii")
+    return (f"<figure><img alt='{_e(caption)}' src='data:image/png;base64,{data}'>"
+            f"<figcaption>{_e(caption)}</figcaption></figure>")
+
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
+h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ccc; margin-top: 2em; }
+table { border-collapse: collapse; margin: 1em 0; font-size: 0.9em; }
+td, th { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; vertical-align: top; }
+th { background: #f2f2f2; } figure { margin: 1em 0; } img { max-width: 100%; }
+figcaption { font-size: 0.85em; color: #555; } .missing { color: #8a5a00; }
+.note { font-size: 0.85em; color: #555; } nav a { margin-right: 1em; }
+"""
+
+
+def render_html(report: Report, title: str = "draftsmith benchmark report") -> str:
+    nav = "".join(f"<a href='#{s.key}'>{_e(s.title)}</a>" for s in report.sections)
+    notes = "".join(f"<p class='missing'>{_e(n)}</p>" for n in report.notes)
+    body = "".join(f"<section id='{s.key}'><h2>{_e(s.title)}</h2>{''.join(s.blocks)}</section>"
+                   for s in report.sections)
+    return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{_e(title)}"
+            f"</title><style>{_STYLE}</style></head><body><h1>{_e(title)}</h1><nav>{nav}</nav>"
+            f"{notes}{body}</body></html>")
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights & Biases
+
+
+def wandb_mode() -> str:
+    """W&B's own convention: ``$WANDB_MODE`` when set; else "online" when the user is logged in,
+    "offline" otherwise.
+
+    Logged in: ``$WANDB_API_KEY`` or ``$WANDB_IDENTITY_TOKEN_FILE`` is set, or the netrc file
+    (``$NETRC``, else ``~/.netrc``, where ``wandb login`` writes the key) has an entry for the W&B
+    host (``$WANDB_BASE_URL``, default api.wandb.ai). Nothing is sent to check the key.
+    """
+    mode = os.environ.get("WANDB_MODE")
+    if mode:
+        return mode
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return "online"
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    candidates = [Path(os.environ["NETRC"]).expanduser()] if os.environ.get("NETRC") else [
+        Path("~/.netrc").expanduser(), Path("~/_netrc").expanduser()]
+    for path in candidates:
+        if not path.is_file():
+            continue
+        try:
+            if host and netrc.netrc(str(path)).authenticators(host):
+                return "online"
+        except (netrc.NetrcParseError, OSError):
+            continue
+    return "offline"
+
+
+def announce_wandb_run(run, mode: str, stream=None) -> str:
+    """Say at a run's start where its W&B data goes; returns the line printed.
+
+    Online: the run's URL. Offline: that nothing leaves the machine and the ``wandb sync``
+    command that uploads the run later (``wandb login`` first).
+    """
+    if mode == "disabled" or run is None:
+        line = "[draftsmith] W&B: disabled (WANDB_MODE=disabled)"
+    elif mode == "offline":
+        run_dir = Path(run.dir).parent if getattr(run, "dir", None) else Path("wandb")
+        reason = ("WANDB_MODE=offline" if os.environ.get("WANDB_MODE") == "offline"
+                  else "not logged in to W&B")
+        line = (f"[draftsmith] W&B: offline ({reason}); nothing leaves this machine. To upload "
+                f"this run later: wandb login, then wandb sync {run_dir}")
+    else:
+        line = f"[draftsmith] W&B: online, run at {getattr(run, 'url', None) or '(no URL)'}"
+    print(line, file=stream or sys.stderr, flush=True)
+    return line
+
+
+def log_to_wandb(report: dict, config: dict, project: str) -> None:
+    """The benchmark's tables and the page's figures, as a W&B run (job type "bench")."""
+    import wandb
+    from PIL import Image
+
+    mode = wandb_mode()
+    run = wandb.init(project=project, job_type="bench", config=config, mode=mode)
+    announce_wandb_run(run, mode)
+    records = report["methods"]
+
+    def table(rows: list[dict]):
+        cols = sorted({k for r in rows for k in r if k != "per_prompt"})
+        return wandb.Table(columns=cols, data=[[json.dumps(r.get(c)) if isinstance(
+            r.get(c), (list, dict)) else r.get(c) for c in cols] for r in rows])
+
+    logged = {"bench": table(records)}
+    per_category = [{"category": c["category"], **r} for c in report.get("categories") or []
+                    for r in c["methods"]]
+    if per_category:
+        logged["bench_per_category"] = table(per_category)
+    divergences = [{"method": r["method"], **d} for r in records for d in r.get("divergences") or []]
+    if divergences:
+        logged["greedy_divergences"] = table(divergences)
+    built = build_report([("bench", report)], [])
+    for section in built.sections:
+        for caption, png in section.images:
+            logged[f"{section.key}/{caption.split(': ', 1)[-1]}"] = wandb.Image(
+                Image.open(io.BytesIO(png)), caption=caption)
+    run.log(logged)
+    for r in records:
+        for key in ("tau", "alpha", "tokens_per_s", "speedup"):
+            if r.get(key) is not None:
+                run.summary[f"{r['method']}/{key}"] = r[key]
+    run.summary["greedy_summary"] = report.get("greedy_summary")
+    run.finish()
+
+
+# ---------------------------------------------------------------------------------------------
+# the command line
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eval.report", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("reports", nargs="+", help="report JSON files written by eval.bench --out")
+    p.add_argument("--metrics", nargs="*", default=[],
+                   help="training runs' metrics.jsonl files, for the training curves")
+    p.add_argument("--out", required=True, help="the HTML file to write")
+    p.add_argument("--title", default="draftsmith benchmark report")
+    args = p.parse_args(argv)
+    try:
+        check_writable(args.out)
+    except ValueError as err:
+        p.error(f"--out: {err}")
+    notes, reports, metrics = [], [], []
+    for path in args.reports:
+        try:
+            reports.append((path, read_report(path)))
+        except ReportError as err:
+            notes.append(f"skipped {err}")
+    for path in args.metrics:
+        try:
+            metrics.append(read_metrics(path))
+        except ReportError as err:
+            notes.append(f"skipped {err}")
+    skipped = len(notes)
+    if not reports:
+        for note in notes:
+            print(f"[report] {note}", file=sys.stderr)
+        print(f"[report] error: none of the {len(args.reports)} report files can be used; "
+              "nothing written", file=sys.stderr)
+        return 2
+    built = build_report(reports, metrics, notes)
+    for note in built.notes:
+        print(f"[report] {note}", file=sys.stderr)
+    write_atomic(args.out, render_html(built, args.title))
+    print(f"[report] written to {args.out} ({len(reports)} reports, {len(metrics)} training "
+          f"runs, {skipped} files skipped)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
