@@ -269,6 +269,8 @@ FIXED_OPTIONS = {
     ("eagle", "dtype"): "--draft-dtype",
     ("medusa", "name"): "the method's name on the command line",
     ("medusa", "typical"): "medusa:typical:<artifact>",
+    ("eagle", "allow_other_weights"): "--allow-other-weights",
+    ("medusa", "allow_other_weights"): "--allow-other-weights",
 }
 OWNERS = {"pld": NgramProposer, "draft": DraftModelProposer,
           "eagle": EagleProposer.from_artifact, "medusa": MedusaProposer.from_artifact}
@@ -291,12 +293,14 @@ def _dest(flag: str) -> str:
 def build_methods(specs: list[str], target: Target, *, pld_options: dict | None = None,
                   draft_options: dict | None = None, eagle_options: dict | None = None,
                   medusa_options: dict | None = None,
-                  draft_dtype: torch.dtype | None = None) -> list[Method]:
+                  draft_dtype: torch.dtype | None = None,
+                  allow_other_weights: bool = False) -> list[Method]:
     """Method names -> runnable methods (drafts loaded once and shared).
 
     ``*_options``: keyword options of that kind's proposer (NgramProposer, DraftModelProposer,
     EagleProposer.from_artifact, MedusaProposer.from_artifact); ``draft_dtype``: the precision
-    of draft LMs and EAGLE heads (None: the target's).
+    of draft LMs and EAGLE heads (None: the target's); ``allow_other_weights``: heads trained
+    for a target of the same shapes but other weights are accepted (otherwise refused).
     """
     pld_options, draft_options = dict(pld_options or {}), dict(draft_options or {})
     eagle_options, medusa_options = dict(eagle_options or {}), dict(medusa_options or {})
@@ -330,7 +334,8 @@ def build_methods(specs: list[str], target: Target, *, pld_options: dict | None 
             methods.append(HFMethod(spec, target, assistant_model=draft(spec[len("hf-assisted:"):])))
         elif spec.startswith("eagle:"):
             proposer = EagleProposer.from_artifact(spec[len("eagle:"):], target, dtype=draft_dtype,
-                                                   name=spec, **eagle_options)
+                                                   name=spec, allow_other_weights=allow_other_weights,
+                                                   **eagle_options)
             methods.append(EngineMethod(spec, engine, proposer))
         elif spec.startswith("medusa:"):
             path = spec[len("medusa:"):]
@@ -342,7 +347,7 @@ def build_methods(specs: list[str], target: Target, *, pld_options: dict | None 
                                          "typical acceptance: use medusa:typical:<artifact>")
             proposer = MedusaProposer.from_artifact(
                 path[len(TYPICAL_PREFIX):] if typical else path, target, typical=typical,
-                name=spec, **medusa_options)
+                name=spec, allow_other_weights=allow_other_weights, **medusa_options)
             methods.append(EngineMethod(spec, engine, proposer))
         else:
             raise ValueError(
@@ -473,6 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
         text = " ".join(f.help for f in group if f.help)
         p.add_argument(flag, type=group[0].parse, default=None, dest=_dest(flag),
                        help=f"{text} (default: {defaults})")
+    p.add_argument("--allow-other-weights", action="store_true",
+                   help="accept heads trained for a target of the same shapes but other weights "
+                        "(refused by default: both weight fingerprints are named)")
     p.add_argument("--wandb", action="store_true",
                    help="log the tables and plots to Weights & Biases (online when logged in)")
     p.add_argument("--wandb-project", default="draftsmith")
@@ -517,6 +525,7 @@ def main(argv=None) -> list[dict]:
         print("[bench] adding `hf`: speedup is measured against it in the same run", file=sys.stderr)
         specs.insert(0, "hf")
     methods = build_methods(specs, target, draft_dtype=args.draft_dtype,
+                            allow_other_weights=args.allow_other_weights,
                             **{f"{kind}_options": options_from_args(args, kind) for kind in OWNERS})
     runs = run_benchmark(methods, prompts, max_new_tokens=args.max_new_tokens, params=args.params,
                          seed=args.seed, warmup=args.warmup, repeats=args.repeats,

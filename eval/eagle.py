@@ -64,14 +64,17 @@ class EagleProposer(Proposer):
     def from_artifact(cls, path: str | os.PathLike, target: Target, *,
                       depth: int = DEFAULT_DEPTH, topk: int = DEFAULT_TOPK,
                       tree_nodes: int = DEFAULT_TREE_NODES, dtype: torch.dtype | None = None,
-                      name: str | None = None) -> EagleProposer:
+                      name: str | None = None,
+                      allow_other_weights: bool = False) -> EagleProposer:
         """Load an eagle1/eagle3 artifact for ``target`` and draft EAGLE-2 trees with it.
 
         ``dtype``: run the head in another precision than the target (e.g. bf16 beside an fp32
         target on a CPU); the head's numerics never touch exactness, which depends on the
-        target alone. ``name`` defaults to ``eagle:<path>``.
+        target alone. ``name`` defaults to ``eagle:<path>``. ``allow_other_weights``: accept a
+        target of the recorded shapes whose weights differ from the ones the head was trained for.
         """
-        head = load_eagle_head(path, target, dtype=dtype).eval()
+        head = load_eagle_head(path, target, dtype=dtype,
+                               allow_other_weights=allow_other_weights).eval()
         return cls(head, depth=depth, topk=topk, tree_nodes=tree_nodes,
                    name=name or f"eagle:{path}")
 

@@ -94,7 +94,8 @@ class MedusaProposer(Proposer):
                       max_topk: int | None = None, typical: bool = False,
                       posterior_threshold: float = DEFAULT_POSTERIOR_THRESHOLD,
                       posterior_alpha: float = DEFAULT_POSTERIOR_ALPHA,
-                      name: str | None = None) -> MedusaProposer:
+                      name: str | None = None,
+                      allow_other_weights: bool = False) -> MedusaProposer:
         """Load the Medusa artifact at ``path`` for ``target``.
 
         The artifact's stored tree is used as it is unless ``tree_nodes`` (a node count, or
@@ -110,7 +111,7 @@ class MedusaProposer(Proposer):
                              "acceptance: pass typical=True (medusa:typical:<artifact>) or drop them")
         if tree_nodes is not None:
             check_tree_nodes(tree_nodes)
-        artifact = load_medusa_heads(path, target)
+        artifact = load_medusa_heads(path, target, allow_other_weights=allow_other_weights)
         heads = artifact.heads
         tree = artifact.tree
         if tree_nodes is not None or max_depth is not None or max_topk is not None:

@@ -26,14 +26,13 @@ Weights are read from safetensors only: a directory holding only ``pytorch_model
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from heads.eagle import EagleConfig, EagleHead, default_aux_layer_ids, load_eagle
+from heads.file_formats import load_safetensors, read_json_object
 from heads.medusa import (
     MedusaArtifact,
     export_tree,
@@ -54,30 +53,25 @@ def read_config(directory: Path) -> dict:
     path = directory / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{directory} has no config.json: not a draft head directory")
-    try:
-        config = json.loads(path.read_text())
-    except (UnicodeDecodeError, ValueError) as err:
-        raise ValueError(f"{path} is not valid JSON ({err}); re-download or re-export it") from err
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} holds {type(config).__name__}, not a JSON object")
-    return config
+    return read_json_object(path, fix="re-download or re-export the head")
 
 
 def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
     """model.safetensors, or the shards a model.safetensors.index.json names (inside directory)."""
     single = directory / "model.safetensors"
     index = directory / "model.safetensors.index.json"
+    fix = "download or export the head again"
     if single.is_file():
-        return load_file(str(single))
+        return load_safetensors(single, fix=fix)
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        weight_map = read_json_object(index, fix=fix).get("weight_map") or {}
         state: dict[str, torch.Tensor] = {}
         root = directory.resolve()
         for shard in sorted(set(weight_map.values())):
             path = (directory / shard).resolve()
             if root not in path.parents:
                 raise ValueError(f"{index} names shard {shard!r} outside {directory}; refused")
-            state.update(load_file(str(path)))
+            state.update(load_safetensors(path, fix=fix))
         return state
     pickles = [p.name for p in directory.iterdir() if p.name in _PICKLES or p.suffix == ".pt"]
     if pickles:

@@ -492,3 +492,20 @@ def test_target_features_keep_only_the_layers_the_head_reads():
         want = states[5] if version == 1 else torch.cat([states[i] for i in aux], dim=-1)
         assert torch.equal(got["features"], want) and torch.equal(got["last_hidden"], states[5])
     assert not any(layer._forward_pre_hooks for layer in target.layers)  # hooks removed
+
+
+def test_a_head_is_refused_on_a_same_shape_target_with_other_weights(tmp_path):
+    """Issue: only shapes were compared, so a head was accepted (alpha 0) on another target."""
+    from eval.bench import build_methods
+
+    trained_for = wrap_target(tiny_llama(layers=5, seed=1), name="a")
+    other = wrap_target(tiny_llama(layers=5, seed=2), name="a")  # same name, same shapes
+    config = EagleConfig.from_target(trained_for, 3, aux_layer_ids=[1, 2, 3])
+    path = save_eagle(EagleHead(config, trained_for), tmp_path / "head", trained_for)
+    with pytest.raises(ValueError, match=r"same shapes and other weights.*--allow-other-weights"):
+        EagleProposer.from_artifact(path, other)
+    with pytest.raises(ValueError, match="same shapes and other weights"):
+        build_methods([f"eagle:{path}"], other)
+    assert EagleProposer.from_artifact(path, other, allow_other_weights=True)
+    assert build_methods([f"eagle:{path}"], other, allow_other_weights=True)
+    assert EagleProposer.from_artifact(path, trained_for)  # its own target, of course
