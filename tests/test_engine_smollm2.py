@@ -51,6 +51,6 @@ def test_sampling_runs_and_is_reproducible(smollm2, prompt_ids):
     engine = SpeculativeEngine(smollm2)
     draft = load_draft("truncate:27", smollm2)
     params = SamplingParams(temperature=0.8, top_p=0.9)
-    a = engine.generate(prompt_ids[0], 24, params, DraftModelProposer(draft, 4), seed=3)
-    b = engine.generate(prompt_ids[0], 24, params, DraftModelProposer(draft, 4), seed=3)
+    a = engine.generate(prompt_ids[0], 24, params, DraftModelProposer(draft, max_depth=4), seed=3)
+    b = engine.generate(prompt_ids[0], 24, params, DraftModelProposer(draft, max_depth=4), seed=3)
     assert a.tokens == b.tokens and len(a.tokens) == 24 and a.alpha is not None
