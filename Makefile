@@ -40,5 +40,6 @@ demo: install
 lint: install
 	$(PYTHON) -m ruff check .
 
+# only what `make install` made: reports/ is committed, runs/ holds your training runs
 clean:
-	rm -rf $(STAMP) reports runs build *.egg-info
+	rm -rf $(STAMP) build *.egg-info

@@ -27,7 +27,7 @@ from torch import nn
 from heads.artifact import FORMAT_VERSION
 from heads.file_formats import read_json_object
 from heads.output_dir import write_dir
-from heads.target import Target, check_model_directory, freeze
+from heads.target import Target, check_model_directory, freeze, is_hub_id, resolve_target
 
 TRUNCATE_PREFIX = "truncate:"
 # config.json key under which a saved draft records what it is and which target it was made for
@@ -99,7 +99,8 @@ def check_same_vocab(target: Target, draft_model: nn.Module, draft_tokenizer=Non
 
 def load_draft(spec: str, target: Target, trainable: bool = False,
                dtype: torch.dtype | None = None) -> nn.Module:
-    """``truncate:N`` or a model directory -> a draft on the target's device and dtype.
+    """``truncate:N``, a model directory or a hub id in the local Hugging Face cache -> a draft
+    on the target's device and dtype.
 
     ``trainable=False``: frozen, eval mode, truncated layers shared with the target.
     ``trainable=True``: an independent copy in train mode with every parameter trainable.
@@ -119,6 +120,8 @@ def load_draft(spec: str, target: Target, trainable: bool = False,
             draft = draft.to(dtype)
     else:
         path = Path(spec).expanduser()
+        if not path.exists() and is_hub_id(spec):  # a draft in the local Hugging Face cache
+            path = resolve_target(spec)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
                 f"draft {spec!r} is neither truncate:N nor a model directory with config.json"

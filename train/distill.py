@@ -67,13 +67,14 @@ from torch import nn
 from distill.draft import add_lora, fresh_draft, load_draft, merge_lora, save_draft
 from distill.losses import DIVERGENCES, argmax_agreement, divergence, next_token_mask, tvd
 from eval.proposers import DraftModelProposer
-from heads.target import Target, load_target
+from heads.target import Target, is_hub_id, load_target
 from train.accelerator import make_accelerator
 from train.batches import make_batches, split_heldout
 from train.checkpoints import TrainState
 from train.config import TrainConfig, option, parse_config
 from train.data import collate_causal_lm, load_sft_dataset, read_conversations
 from train.loop import Recipe, StepOutput, TrainResult
+from train.memory import check_fits
 from train.tracking import AcceptanceEval, PeriodicEval
 
 FRESH_PREFIX = "fresh:"
@@ -86,8 +87,8 @@ class DistillConfig(TrainConfig):
 
     draft: str = option(
         "truncate:6", "the draft: truncate:N (a trainable copy of the target's first N layers), "
-        "fresh:L (a new L-layer model of the target's architecture) or a Hugging Face model "
-        "directory with the target's tokenizer")
+        "fresh:L (a new L-layer model of the target's architecture), or a Hugging Face model "
+        "directory or hub id (from the local cache) with the target's tokenizer")
     draft_hidden_size: int | None = option(
         None, "fresh:L only: the new model's hidden size (none: the target's; the embedding and "
         "LM head then start as copies of the target's)")
@@ -142,10 +143,11 @@ class DistillConfig(TrainConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         kind, count = draft_kind(self.draft)
-        if kind == "directory" and not Path(self.draft).expanduser().is_dir():
+        if kind == "directory" and not Path(self.draft).expanduser().is_dir() \
+                and not is_hub_id(self.draft):
             raise ValueError(
                 f"config key 'draft' is {self.draft!r}: expected truncate:N (N target layers), "
-                f"fresh:L (a new model of L layers) or an existing model directory")
+                f"fresh:L (a new model of L layers), an existing model directory or a hub id")
         if self.draft_hidden_size is not None and kind != "fresh":
             raise ValueError(f"config key 'draft_hidden_size' applies to fresh:L drafts only, "
                              f"the draft is {self.draft!r}; remove it or use fresh:L")
@@ -566,6 +568,7 @@ def planned_sizes(rows: list[dict], cfg: DistillConfig) -> tuple[list[int], list
 def build(cfg: DistillConfig) -> Recipe:
     """The run, ready to train: target, rows, the draft, its loss, evaluation and export."""
     accelerator = make_accelerator(cfg)  # first: seeds before any weights
+    check_fits("distill", cfg, accelerator)  # before minutes of loading
     target = load_target(cfg.target, device=accelerator.device)  # frozen; never prepared
     pad_id = target.tokenizer.pad_token_id
     pad_id = target.eos_token_ids[0] if pad_id is None else pad_id

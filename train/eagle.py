@@ -81,6 +81,7 @@ from train.eagle_features import (
     write_feature_cache,
 )
 from train.loop import Recipe, StepOutput, TrainResult
+from train.memory import check_fits
 from train.tracking import AcceptanceEval
 
 
@@ -202,6 +203,7 @@ def check_resumed_vocabulary(head: EagleHead, d2t: torch.Tensor, t2d: torch.Tens
 def build(cfg: EagleTrainConfig) -> Recipe:
     """The run, ready to train: target, data, head, loss, evaluation and export."""
     accelerator = make_accelerator(cfg)  # first: seeds before any weights
+    check_fits("eagle", cfg, accelerator)  # before minutes of loading
     cache_dir = Path(cfg.feature_cache_dir or Path(cfg.output_dir) / "features")
     if cfg.feature_mode == "offline" and not cfg.eval_every and cache_is_complete(cache_dir):
         # training from a finished cache reads the embedding, final norm and LM head only

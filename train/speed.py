@@ -15,7 +15,8 @@ folder, ``configs/<method>/...``, or ``--trainer``), times the frozen target's n
 * ``padding``: the fraction of computed positions that were padding;
 * ``peak_memory_gb`` (the process) and ``step_memory_gb`` (what the training steps added on top
   of the loaded target, data and module: on CUDA the allocator's peak, on Linux CPUs the resident
-  set's high-water mark, reset before the first step).
+  set's high-water mark, reset before the first step), beside ``estimated_peak_gb``, the estimate
+  of :mod:`train.memory` that ``build`` checks against the device's memory.
 
 Every key after the options is a config key (``--max_length 2048``, ``--max_tokens_per_batch
 8192``...); evaluation, checkpoints and W&B are off and the run goes to a temporary directory
@@ -35,6 +36,7 @@ from pathlib import Path
 import torch
 
 from train.config import parse_config
+from train.memory import estimate_run
 
 TRAINERS = ("eagle", "medusa", "distill")
 _CONFIG_CLASSES = {"eagle": "EagleTrainConfig", "medusa": "MedusaTrainConfig",
@@ -122,6 +124,8 @@ def measure(trainer: str, argv: list[str], steps: int, warmup: int) -> dict:
             cfg.heldout_every = 0
         recipe = module.build(cfg)
         device = recipe.accelerator.device
+        predicted = estimate_run(trainer, cfg, device.type,
+                                 recipe.accelerator.num_processes).total / 2**30
         forward, forward_tokens = target_forward_tokens_per_s(recipe, warmup + steps)
         before = _reset_high_water(device)
         result = recipe.train()
@@ -151,6 +155,7 @@ def measure(trainer: str, argv: list[str], steps: int, warmup: int) -> dict:
         "padding": round(sum(r["padding"] for r in timed) / len(timed), 4),
         "peak_memory_gb": round(peak, 3) if peak is not None else None,
         "step_memory_gb": round(peak - before, 3) if None not in (peak, before) else None,
+        "estimated_peak_gb": round(predicted, 3),  # train.memory's, which build() checks
         "loss_last": timed[-1]["loss"],
         "target_forward_tokens": forward_tokens,
     }
