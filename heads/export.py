@@ -50,7 +50,7 @@ from safetensors.torch import save_file
 from heads.artifact import load_artifact, read_artifact_config
 from heads.eagle import EagleConfig, check_vocab_maps
 from heads.output_dir import check_destination, write_dir
-from heads.target import Target, is_hub_id, target_hub_id
+from heads.target import Target, dtype_name, is_hub_id, target_hub_id
 
 FORMATS = {
     "eagle1": ("vllm", "sglang"),
@@ -87,14 +87,6 @@ _LLAMA_LAYER_WEIGHT = re.compile(
     r"(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.(weight|bias)"
     r"|(input_layernorm|post_attention_layernorm|hidden_norm)\.weight"
 )
-_DTYPE_NAMES = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float64: "float64",
-}
-
-
 def artifact_method(directory: str | os.PathLike) -> str:
     """The method an artifact holds: config.json's ``method``, or ``draft`` for an HF draft."""
     config = read_artifact_config(directory)
@@ -210,7 +202,7 @@ def _llama_config(cfg: EagleConfig, dtype: torch.dtype) -> dict:
         "rope_theta": rope_theta,
         "rope_scaling": scaling,
         "rope_parameters": rope or {"rope_type": "default", "rope_theta": rope_theta},
-        "torch_dtype": _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch.")),
+        "torch_dtype": dtype_name(dtype),
     }
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if layer.get(key) is not None:

@@ -9,6 +9,7 @@ Hugging Face directory for the loaders and the subprocesses.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -206,6 +207,21 @@ def test_two_writers_write_what_one_writes(target, rows, tmp_path):
     assert cache_bytes(tmp_path / "two") == cache_bytes(one)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc), children first."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 def test_torchrun_two_processes_killed_mid_write_resume_to_the_one_process_cache(files,
                                                                                  tmp_path):
     rows = make_rows(120, seed=3)
@@ -225,8 +241,13 @@ def test_torchrun_two_processes_killed_mid_write_resume_to_the_one_process_cache
             break
         time.sleep(0.01)
     assert process.poll() is None, process.stderr.read().decode()[-3000:]  # still writing
-    os.killpg(process.pid, signal.SIGKILL)
+    # every process at once: the launcher and its workers, which torchrun may start in process
+    # groups of their own (a killpg of the launcher's group alone leaves them writing)
+    for pid in [process.pid, *descendants(process.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     process.wait()
+    time.sleep(0.5)  # the workers' exits
     done = len(list(cache.glob("features-*.safetensors")))
     assert 4 <= done < 120, process.stderr.read().decode()[-2000:]
     target = load_target(files.target_dir, dtype=torch.float64)

@@ -67,7 +67,7 @@ from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from heads.eagle import EagleConfig, target_features
-from heads.target import Target
+from heads.target import Target, dtype_name
 from train.data import collate_causal_lm
 
 FORMAT = "draftsmith-feature-cache"
@@ -76,20 +76,11 @@ INDEX = "index.json"
 DEFAULT_MAX_FILE_BYTES = 256 << 20
 _FILE_NAME = re.compile(r"features-\d{5}\.safetensors")
 _TMP = ".tmp-"
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
+_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                        torch.float64: "F64", torch.int64: "I64", torch.int32: "I32",
                        torch.uint8: "U8"}
 _OPEN_FILES = 64  # memory maps a reader keeps open at once
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return next(name for name, dt in _DTYPES.items() if dt == dtype)
 
 
 def _width(dtype: torch.dtype) -> int:
@@ -168,7 +159,7 @@ def _key(target: Target, config: EagleConfig, dtype: torch.dtype, max_file_bytes
         "aux_layer_ids": list(config.aux_layer_ids),
         "feature_layers": list(config.feature_layers),
         "hidden_size": config.target_hidden_size,
-        "dtype": _dtype_name(dtype),
+        "dtype": dtype_name(dtype),
         "target": _target_record(target),
         "max_file_bytes": max_file_bytes,
     }
@@ -292,8 +283,9 @@ def write_feature_cache(
         raise ValueError(f"need 0 <= process_index < num_processes, got {process_index}, "
                          f"{num_processes}")
     dtype = dtype or target.dtype
-    if dtype not in _DTYPES.values():
-        raise ValueError(f"cache dtype must be one of {sorted(_DTYPES)}, got {dtype}")
+    if dtype not in _CACHE_DTYPES:
+        raise ValueError(f"cache dtype must be one of {[dtype_name(d) for d in _CACHE_DTYPES]}, "
+                         f"got {dtype}")
     directory = Path(cache_dir)
     plan, lengths = _plan(dataset, config, dtype, max_file_bytes)
     for entry in plan["files"]:
