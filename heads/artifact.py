@@ -76,3 +76,51 @@ def load_artifact(directory: str | os.PathLike, method: str | tuple[str, ...] | 
         raise FileNotFoundError(f"{directory} has config.json but no model.safetensors")
     return config, load_safetensors(weights, device=device,
                                     fix="the artifact is damaged: train or export it again")
+
+
+def cast_artifact(source: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype,
+                  overwrite: bool = False) -> Path:
+    """A copy of the artifact at ``source`` with its floating-point weights in ``dtype`` (integer
+    buffers such as EAGLE-3's vocabulary maps unchanged), e.g. bf16 to halve what is shipped.
+    The loaders cast to the precision they run in, so a bf16 artifact drafts in fp32 on a CPU."""
+    config, tensors = load_artifact(source)
+    method = config.pop("method")
+    target = config.pop("target")
+    config.pop("format_version", None)
+    cast = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    extra = {p.name: p.read_text() for p in Path(source).iterdir()
+             if p.is_file() and p.suffix in (".md", ".txt")}
+    return save_artifact(out, method, config, cast, target, extra_files=extra,
+                         overwrite=overwrite)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m heads.artifact cast SOURCE OUT --dtype bf16``."""
+    import argparse
+
+    from heads.target import parse_dtype
+
+    parser = argparse.ArgumentParser(prog="python -m heads.artifact",
+                                     description="Operations on draftsmith artifacts.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    cast = sub.add_parser("cast", help="copy an artifact with its weights in another precision")
+    cast.add_argument("source")
+    cast.add_argument("out")
+    cast.add_argument("--dtype", type=parse_dtype, required=True, help="bf16, fp16 or fp32")
+    cast.add_argument("--overwrite", action="store_true",
+                      help="replace OUT even if it holds other files (never SOURCE)")
+    args = parser.parse_args(argv)
+    if Path(args.source).resolve() == Path(args.out).resolve():
+        parser.error("OUT must differ from SOURCE: the artifact is never replaced in place")
+    written = cast_artifact(args.source, args.out, args.dtype, overwrite=args.overwrite)
+    print(f"wrote {written} ({args.dtype})")
+
+
+if __name__ == "__main__":
+    import sys
+
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -19,12 +19,8 @@
 #                 truncated draft (hf-assisted), beside the trained head (eagle), exact greedy
 #                 decoding throughout.
 #
-# The training data are the vendored GPTeacher role-play answers (written by GPT-4), not answers
-# the target wrote itself, although EAGLE recommends the latter: the target writes about 15
-# tokens/s here, so self-distilling even 200 answers would eat the whole time budget, and the
-# loss scores the head against the target's own next-token distribution at every position
-# anyway (the data only choose the contexts). The GPU recipe regenerates the answers first; see
-# configs/eagle/smollm2-135m.yaml.
+# The training data are the target's own answers shipped in data/train/selfdistill_answers.jsonl
+# (data/SOURCES.md says how they were made), as EAGLE recommends.
 #
 # Ten minutes of CPU training gives a head that has only begun to learn (tau a little above 1);
 # the point is the pipeline and its measurements. A useful head takes the GPU recipe in the
@@ -44,14 +40,14 @@ PROMPTS_N="${DEMO_PROMPTS:-3}"
 NEW_TOKENS="${DEMO_NEW_TOKENS:-64}"
 ASSISTED="${DEMO_ASSISTED:-truncate:27}"
 TARGET=smollm2-135m
-DATA=data/train/gpteacher_roleplay_instruct.json
+DATA=data/train/selfdistill_answers.jsonl
 EVAL_PROMPTS=data/eval/mt_bench_question.jsonl
 MAX_LENGTH=256
 RUN="$OUT/eagle3"
 # The draft tree for this CPU (DEMO_TREE): verifying 5 tokens costs ~1.15x one here, 33 ~2x, and a
-# barely trained head rarely gets deep, so a small tree wins; the bf16 head drafts faster beside
-# the fp32 target and exactness does not depend on it. On a GPU drop these (depth 5, 32 nodes).
-TREE="${DEMO_TREE:---tree-depth 2 --tree-topk 3 --tree-nodes 4 --draft-dtype bf16}"
+# barely trained head rarely gets deep, so a small tree wins. On a GPU drop these (depth 5, 32
+# nodes).
+TREE="${DEMO_TREE:---tree-depth 2 --tree-topk 3 --tree-nodes 4}"
 export OMP_NUM_THREADS="$THREADS"
 
 TIMINGS=()

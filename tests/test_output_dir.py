@@ -165,3 +165,24 @@ def test_output_paths_are_checked_without_writing(tmp_path, monkeypatch):
         check_writable(tmp_path / "new", what="output_dir")
     with pytest.raises(ValueError, match=r"is not writable"):
         check_writable(tmp_path, what="output_dir")
+
+
+def test_cast_artifact_halves_the_weights_and_keeps_integer_maps(tmp_path):
+    import torch
+
+    from heads.artifact import cast_artifact, load_artifact, main, save_artifact
+
+    weights = {"fc.weight": torch.randn(8, 4), "d2t": torch.arange(5, dtype=torch.int64)}
+    source = save_artifact(tmp_path / "fp32", "eagle3", {"hidden_size": 4}, weights,
+                           {"name": "tiny"}, extra_files={"README.md": "how it was trained"})
+    out = cast_artifact(source, tmp_path / "bf16", torch.bfloat16)
+    config, tensors = load_artifact(out, "eagle3")
+    assert config["hidden_size"] == 4 and config["target"] == {"name": "tiny"}
+    assert tensors["fc.weight"].dtype == torch.bfloat16
+    assert torch.equal(tensors["fc.weight"], weights["fc.weight"].to(torch.bfloat16))
+    assert torch.equal(tensors["d2t"], weights["d2t"])  # int64 unchanged
+    assert (out / "README.md").read_text() == "how it was trained"
+    assert (out / "model.safetensors").stat().st_size < (source / "model.safetensors").stat().st_size
+    with pytest.raises(SystemExit):  # never in place
+        main(["cast", str(source), str(source), "--dtype", "bf16"])
+    assert load_artifact(source)[1]["fc.weight"].dtype == torch.float32

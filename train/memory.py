@@ -39,6 +39,10 @@ NO_GRAD_FACTOR = 1.15  # the frozen target's no-grad forward, per token (one lay
 LOSS_CHUNK_COPIES = 6  # logits, log-softmax, the target's logits and distribution, gradients
 #                        (Llama-3.1-8B's EAGLE-1, full vocabulary, T 128 -> 256: 5.4 measured)
 HEADROOM = 0.92        # the share of a device's memory a run may plan to use
+# the process itself: the CUDA context and the caching allocator's slack on a GPU; on a CPU the
+# interpreter, torch, the tokenised data and glibc's retained arenas (train.speed measured 2.36 GB
+# peak for 1.56 GB of tensors, an EAGLE-3 step of 2048 tokens on smollm2-135m)
+RUNTIME_BYTES = {"cuda": 2.0 * 1024 ** 3, "cpu": 1.0 * 1024 ** 3}
 
 
 @dataclass(frozen=True)
@@ -146,6 +150,8 @@ def estimate(trainer: str, cfg, target: Shape, *, device: str = "cpu", processes
     n = tokens_per_micro_batch(cfg)
     h = target.hidden
     est = Estimate(tokens=n, device=device)
+    est.parts["process (CUDA context, allocator)" if on_gpu else "process (python, torch, data)"] = \
+        RUNTIME_BYTES["cuda" if on_gpu else "cpu"]
     est.parts["frozen target weights"] = target.params() * weight
     target_fwd = NO_GRAD_FACTOR * target.no_grad_per_token() * act * n
 
