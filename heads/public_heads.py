@@ -369,10 +369,9 @@ def load_medusa_heads(directory: str | os.PathLike, target: Target,
     heads = load_medusa_export(directory)
     cfg = heads.config
     if cfg.hidden_size != target.hidden_size or cfg.vocab_size != target.vocab_size:
-        got = tuple(heads.lm_heads[0].weight.shape)
-        raise ValueError(f"{directory}: the vocabulary projection of head 0 has shape {got}, the "
-                         f"target {target.name!r} needs ({target.vocab_size}, "
-                         f"{target.hidden_size})")
+        raise ValueError(f"{directory}: heads of hidden {cfg.hidden_size} over a {cfg.vocab_size}"
+                         f"-token vocabulary, the target {target.name!r} has hidden "
+                         f"{target.hidden_size} and {target.vocab_size} tokens")
     heads.to(device=device or target.device, dtype=dtype or target.dtype)
     tree = export_tree(directory, cfg.num_heads)
     return MedusaArtifact(heads.eval(), tree, {}, config)
