@@ -4,7 +4,9 @@ Each round the heads read ``h_t``, the target's final-normed last hidden state a
 accepted position (the one whose LM-head output was the root token); head d's top-k guesses fill
 depth d of a static tree of rank paths (the Medusa repo's ``medusa_choices``). Children are chosen
 deterministically (top-k, likeliest first) and carry no draft distribution, so the engine verifies
-them with the exact point-mass rule at any temperature, and greedily at temperature 0.
+them with the exact point-mass rule at any temperature, and greedily at temperature 0. Heads over a
+draft vocabulary rank their draft ids and hand the target ids those map to (``d2t``); the target
+verifies over its whole vocabulary, so exactness does not depend on the draft vocabulary.
 
 The tree's form, its construction from held-out accuracies and its size (``tree_nodes``) live in
 heads/medusa_tree.py; :meth:`MedusaProposer.from_artifact` rebuilds an artifact's tree there for
@@ -79,9 +81,9 @@ class MedusaProposer(Proposer):
             )
         self.heads = heads.eval()
         self.tree = MedusaTree(tree, heads.num_heads)
-        if self.tree.topk > cfg.vocab_size:
-            raise ValueError(f"the tree uses rank {self.tree.topk - 1} but the vocabulary has "
-                             f"{cfg.vocab_size} tokens")
+        if self.tree.topk > cfg.head_vocab_size:
+            raise ValueError(f"the tree uses rank {self.tree.topk - 1} but the heads guess among "
+                             f"{cfg.head_vocab_size} tokens")
         # transformers' numbering: index L is the final-normed last layer, what the LM head reads
         self.hidden_layers = (target.num_layers,)
         if name is not None:
@@ -144,8 +146,7 @@ class MedusaProposer(Proposer):
         depth = min(max_depth, self.tree.max_depth)
         if depth < 1 or self.h is None:
             return None
-        logits = self.heads(self.h, num=depth)  # (depth, vocab)
-        top = logits.topk(self.tree.topk, dim=-1).indices.cpu()  # (depth, topk)
+        top = self.heads.top_tokens(self.h, self.tree.topk, num=depth).cpu()  # (depth, topk)
         return self.tree.draft_tree(top, depth)
 
     def observe(self, seq, tree, path, hidden) -> None:

@@ -156,6 +156,12 @@ def _chunk_loop(states, weight_mm, labels, teacher_states, teacher_head, teacher
             entropy = -_row_dot(teacher, teacher_logp)  # (c,); finite logits: no log 0
             del teacher_logits
         label = labels[start:end] if labels is not None else None
+        has_label = None
+        if label is not None:
+            has_label = label >= 0  # (c,) -1: the token has no column (outside a draft vocabulary)
+            if hard_weight:
+                keep = keep & has_label
+            label = label.clamp_min(0)  # a column to index with; rows without one never count
         for g in range(groups):
             kept = keep[g]  # (c,)
             sums[g, 4] += kept.sum()
@@ -168,7 +174,7 @@ def _chunk_loop(states, weight_mm, labels, teacher_states, teacher_head, teacher
             guess = logits.argmax(-1)  # (c,)
             if label is not None and topk:
                 top = logits.topk(topk, dim=-1).indices  # (c, topk)
-                hits[g] += ((top == label[:, None]) & kept[:, None]).sum(0)
+                hits[g] += ((top == label[:, None]) & (kept & has_label)[:, None]).sum(0)
                 del top
             logp = buffers.get("logp", c, vocab, compute)
             logp = torch.log_softmax(logits, -1, out=logp)  # (c, V)
@@ -179,7 +185,7 @@ def _chunk_loop(states, weight_mm, labels, teacher_states, teacher_head, teacher
                 grad.mul_(hard_weight + soft_weight)
             if label is not None:
                 hard = -logp[rows, label]  # (c,)
-                sums[g, 0] += torch.where(kept, hard, 0.0).sum().double()
+                sums[g, 0] += torch.where(kept & has_label, hard, 0.0).sum().double()
                 grad[rows, label] -= hard_weight
             if teacher is not None:
                 soft = -_row_dot(teacher, logp)  # (c,)
@@ -259,7 +265,9 @@ def projected_cross_entropy(
 
     states (n, H) or (G, n, H): the rows to score (gradients flow here), G groups sharing the n
     labels / teacher rows; weight (V, H): the projection (trained when it requires grad; no
-    bias); labels (n,): the true tokens, for ``hard_ce`` and ``hits``; teacher_states (n, H_t)
+    bias); labels (n,): the true tokens' rows of weight, for ``hard_ce`` and ``hits``, -1 for a
+    token weight has no row of (a draft vocabulary's misses: never a hit, and with
+    ``hard_weight`` > 0 the row is not scored); teacher_states (n, H_t)
     with ``teacher_head`` (a frozen LM head module): the teacher's distribution
     softmax(teacher_head(teacher_states)) for the soft term; teacher_columns (V,) int64: the
     teacher's ids of weight's rows -- the teacher is restricted to them and renormalised, and a

@@ -27,7 +27,9 @@ order before ``fc`` (vLLM collects them in layer order, so the order is part of 
 
 Draft vocabulary (EAGLE-3): the N most frequent target tokens of the training data. ``d2t``
 (int64, [N]) holds offsets: target_id = draft_id + d2t[draft_id]; ``t2d`` (bool, [V]) marks the
-target ids that have a draft id. Draft ids follow ascending target ids.
+target ids that have a draft id. Draft ids follow ascending target ids. The maps and their
+construction live in heads/draft_vocab.py (Medusa heads use them too); ``count_tokens`` and
+``build_draft_vocab`` are importable from here as well.
 
 Weight names are those of the serving layouts (vLLM / SGLang): EAGLE-1 ``fc.weight``,
 ``layers.0.*`` (no ``input_layernorm``); EAGLE-3 ``fc.weight``, ``midlayer.*`` (with
@@ -74,7 +76,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -93,6 +95,9 @@ from transformers.models.llama.modeling_llama import (
 
 from heads.artifact import load_artifact, save_artifact
 from heads.chunked_loss import DEFAULT_CHUNK_SIZE, projected_argmax, projected_cross_entropy
+from heads.draft_vocab import build_draft_vocab as build_draft_vocab
+from heads.draft_vocab import check_vocab_maps
+from heads.draft_vocab import count_tokens as count_tokens
 from heads.target import Target
 
 VERSIONS = (1, 3)
@@ -687,66 +692,6 @@ class EagleHead(nn.Module):
 
         out = self._decoder(embeds, hidden, attend)
         return out, (step_kv[0], step_kv[1])
-
-
-# ------------------------------------------------------------------------------------------------
-# Draft vocabulary
-
-
-def count_tokens(
-    token_ids: Iterable[Sequence[int]],
-    vocab_size: int,
-    loss_masks: Iterable[Sequence[int]] | None = None,
-) -> torch.Tensor:
-    """(vocab,) int64 counts of the tokens the draft must predict (loss_mask == 1 when given)."""
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    masks = iter(loss_masks) if loss_masks is not None else None
-    for ids in token_ids:
-        ids_t = torch.as_tensor(ids, dtype=torch.int64)
-        if masks is not None:
-            ids_t = ids_t[torch.as_tensor(next(masks), dtype=torch.bool)]
-        if ids_t.numel() and (int(ids_t.min()) < 0 or int(ids_t.max()) >= vocab_size):
-            raise ValueError(
-                f"token ids outside 0..{vocab_size - 1}: wrong tokenizer for this target?"
-            )
-        counts += torch.bincount(ids_t, minlength=vocab_size)
-    return counts
-
-
-def build_draft_vocab(token_counts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The n most frequent target tokens as a draft vocabulary -> (d2t, t2d).
-
-    Ties (and tokens never seen, when fewer than n were) are broken by lower id. Draft ids follow
-    ascending target ids: d2t (int64, [n]) with target_id = draft_id + d2t[draft_id]; t2d (bool,
-    [vocab]) True exactly at the kept target ids.
-    """
-    token_counts = torch.as_tensor(token_counts).reshape(-1)
-    vocab = token_counts.numel()
-    if not 1 <= n <= vocab:
-        raise ValueError(f"draft vocabulary size must be in 1..{vocab}, got {n}")
-    order = torch.sort(-token_counts.to(torch.int64), stable=True).indices  # most frequent first
-    kept = torch.sort(order[:n]).values
-    d2t = kept - torch.arange(n)
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[kept] = True
-    return d2t, t2d
-
-
-def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int) -> None:
-    """Refuse inconsistent maps (a wrong d2t silently destroys acceptance in vLLM)."""
-    if d2t.dim() != 1 or t2d.dim() != 1 or t2d.numel() != vocab_size:
-        raise ValueError(
-            f"d2t must be 1-D and t2d 1-D over the {vocab_size}-token target vocabulary"
-        )
-    target_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t.to(torch.int64)
-    if d2t.numel() and (int(target_ids.min()) < 0 or int(target_ids.max()) >= vocab_size):
-        raise ValueError("d2t maps draft ids outside the target vocabulary")
-    if not bool((target_ids[1:] > target_ids[:-1]).all()):
-        raise ValueError("d2t must map draft ids to distinct, ascending target ids")
-    marked = torch.zeros(vocab_size, dtype=torch.bool, device=d2t.device)
-    marked[target_ids] = True
-    if not torch.equal(marked, t2d.to(torch.bool).to(d2t.device)):
-        raise ValueError("t2d does not mark exactly the target ids d2t maps to")
 
 
 # ------------------------------------------------------------------------------------------------

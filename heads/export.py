@@ -48,7 +48,8 @@ import torch
 from safetensors.torch import save_file
 
 from heads.artifact import load_artifact, read_artifact_config
-from heads.eagle import EagleConfig, check_vocab_maps
+from heads.draft_vocab import check_vocab_maps
+from heads.eagle import EagleConfig
 from heads.output_dir import check_destination, write_dir
 from heads.target import Target, dtype_name, is_hub_id, target_hub_id
 

@@ -128,9 +128,9 @@ def _check_eagle(artifact_dir, fmt, out_dir, meta, target) -> bool:
 
 def _check_medusa(artifact_dir, fmt, out_dir, meta, target) -> bool:
     from heads.export import find_target
-    from heads.medusa import load_medusa, load_medusa_export
+    from heads.medusa import MedusaConfig, load_medusa, load_medusa_export
 
-    if meta.get("share_lm_head") and not isinstance(target, Target):
+    if MedusaConfig.from_dict(meta).reads_target_lm_head and not isinstance(target, Target):
         target = find_target(meta, target)
         if target is None:
             _say("not verified", "round trip: heads sharing the target's LM head need the target "
@@ -145,6 +145,10 @@ def _check_medusa(artifact_dir, fmt, out_dir, meta, target) -> bool:
         ours = art.heads(hidden.to(art.heads.lm_head_weight(0).dtype))
         theirs = back(hidden.to(back.lm_head_weight(0).dtype))
     ok = ours.shape == theirs.shape and torch.equal(ours, theirs.to(ours.dtype))
+    # the same draft ids must name the same target ids (a wrong token_map keeps the logits)
+    ids = torch.arange(art.heads.config.head_vocab_size)
+    ok = ok and art.heads.config.head_vocab_size == back.config.head_vocab_size and torch.equal(
+        art.heads.draft_to_target(ids), back.draft_to_target(ids))
     _say("verified" if ok else "FAILED",
          f"round trip: {fmt} export read back gives the artifact's {art.heads.num_heads} heads' "
          f"logits (max |diff| {_max_diff(ours, theirs):.3g})")

@@ -12,6 +12,16 @@ per head (trainable, K x vocab x hidden parameters) or the target's own LM head 
 reference (frozen, not stored in the artifact; ``share_lm_head``). :func:`medusa_param_counts`
 gives both sizes.
 
+Draft vocabulary (``draft_vocab_size`` N, as EAGLE-3 does): the heads guess among the N most
+frequent target tokens of the training data only, so every head projects onto N rows instead of
+the whole vocabulary (on a 49k vocabulary that projection is most of a head's cost). The
+projections are then always the heads' own and trained, initialised from the target's LM-head
+rows of those tokens: with ``share_lm_head`` one (N, hidden) ``lm_head`` that every head shares,
+otherwise a copy per head (``lm_heads.{k}``, (N, hidden) each). The ``d2t`` / ``t2d`` buffers of
+heads/draft_vocab.py map draft ids to target ids; the heads' logits are over draft ids, and
+:meth:`MedusaHeads.top_tokens` turns them into target ids. ``draft_vocab_size`` None (the
+default, and every artifact written before it existed) is the whole vocabulary.
+
 Also here: the held-out accuracies the static token tree is built from (:func:`rank_accuracy`,
 :func:`topk_accuracy`, :func:`accuracy_metrics`), the artifact (:func:`save_medusa` /
 :func:`load_medusa`, method ``"medusa"``, the tree stored in its config) and the serving layouts
@@ -25,6 +35,14 @@ Also here: the held-out accuracies the static token tree is built from (:func:`r
   ``base_model_name_or_path``) and ``medusa_lm_head.safetensors`` with ``{h}.{j}.linear.weight``,
   ``{h}.{j}.linear.bias`` and ``{h}.{n}.weight`` (n = number of blocks: the vocabulary
   projection); ``fasterdecoding`` adds ``medusa_lm_head.pt`` when asked (its loader's only file).
+
+Heads over a draft vocabulary export to ``vllm-0.32`` only, exactly: vLLM's ``MedusaModel`` reads
+``truncated_vocab_size`` (= N) and a ``token_map`` tensor (int64 [N], the target id of every
+draft id) and scatters each head's N logits into the full vocabulary with -inf elsewhere.
+TensorRT-LLM and FasterDecoding project onto the full vocabulary with a bias-free matrix and
+have no token map; no choice of rows for the other tokens keeps them from outranking the draft
+tokens for every hidden state (a zero row scores 0, which beats any negative draft logit), so
+those exports are refused (train with ``draft_vocab_size: null`` for them).
 
 The tree itself (its form, how it is built and sized) is heads/medusa_tree.py.
 """
@@ -43,6 +61,12 @@ from safetensors import safe_open
 from torch import nn
 
 from heads.artifact import load_artifact, read_artifact_config, save_artifact
+from heads.draft_vocab import (
+    check_vocab_maps,
+    draft_token_ids,
+    maps_from_token_ids,
+    target_to_draft,
+)
 from heads.file_formats import load_safetensors, read_json_object
 from heads.medusa_tree import RankPath, check_tree, default_chain
 from heads.output_dir import check_destination
@@ -65,8 +89,11 @@ class MedusaConfig:
     vocab_size: int
     num_heads: int = 4
     num_layers: int = 1  # residual blocks per head
-    share_lm_head: bool = False  # True: every head projects with the target's own LM head
+    # True: the heads share one projection, the target's own LM head (frozen, not stored) or,
+    # with draft_vocab_size, one trained (draft_vocab_size, hidden) lm_head of their own
+    share_lm_head: bool = False
     bias: bool = True  # the blocks' linear layers have a bias (FasterDecoding and TensorRT-LLM do)
+    draft_vocab_size: int | None = None  # guess among this many target tokens (None: all)
 
     def __post_init__(self):
         for name in ("hidden_size", "vocab_size", "num_heads"):
@@ -78,6 +105,23 @@ class MedusaConfig:
                 f"MedusaConfig.num_layers (residual blocks per head) must be an integer >= 0, "
                 f"got {self.num_layers!r}"
             )
+        n = self.draft_vocab_size
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool)
+                              or not 1 <= n <= self.vocab_size):
+            raise ValueError(
+                f"MedusaConfig.draft_vocab_size must be None (the whole vocabulary) or an integer "
+                f"in 1..{self.vocab_size} (the target's vocabulary), got {n!r}"
+            )
+
+    @property
+    def head_vocab_size(self) -> int:
+        """How many tokens the heads' logits range over: draft_vocab_size, else vocab_size."""
+        return self.vocab_size if self.draft_vocab_size is None else self.draft_vocab_size
+
+    @property
+    def reads_target_lm_head(self) -> bool:
+        """The heads project with the target's LM head (not stored: loading needs the target)."""
+        return self.share_lm_head and self.draft_vocab_size is None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,13 +136,17 @@ def medusa_param_counts(config: MedusaConfig) -> dict[str, int]:
     """Parameter counts without building anything.
 
     ``trainable``: what the heads add, train and store in the artifact; ``blocks``: the residual
-    blocks; ``lm_head_copies``: a projection per head (trainable unless shared);
-    ``shared_lm_head``: the target's one matrix that shared heads read instead.
+    blocks; ``lm_head_copies``: a projection per head over the heads' vocabulary (trainable
+    unless shared); ``shared_lm_head``: the one matrix shared heads read instead (the target's,
+    frozen; with a draft vocabulary their own, trained).
     """
-    h, v, k, n = config.hidden_size, config.vocab_size, config.num_heads, config.num_layers
+    h, v, k, n = config.hidden_size, config.head_vocab_size, config.num_heads, config.num_layers
     blocks = k * n * (h * h + (h if config.bias else 0))
     copies = k * v * h
-    own = 0 if config.share_lm_head else copies
+    if not config.share_lm_head:
+        own = copies
+    else:
+        own = 0 if config.reads_target_lm_head else v * h
     return {"blocks": blocks, "lm_head_copies": copies, "shared_lm_head": v * h,
             "trainable": blocks + own}
 
@@ -129,10 +177,17 @@ class MedusaHeads(nn.Module):
     unless the LM head is shared, ``lm_heads.{h}.weight`` (vLLM's names). A shared LM head is held
     by reference outside the module's parameters, so it is neither trained, nor saved, nor
     wrapped for gradient sync; gradients still flow through it into the blocks.
+
+    With a draft vocabulary (``config.draft_vocab_size`` N) V is N, the logits are over draft
+    ids, and the state dict adds the ``d2t`` / ``t2d`` buffers plus the heads' own projection:
+    ``lm_head.weight`` (N, H), shared, or ``lm_heads.{h}.weight`` (N, H) each. Pass ``d2t`` and
+    ``t2d`` (:func:`heads.draft_vocab.build_draft_vocab`) to build such heads; ``lm_head``, the
+    target's, then initialises their rows.
     """
 
     def __init__(self, config: MedusaConfig, lm_head: nn.Module | None = None,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None, *,
+                 d2t: torch.Tensor | None = None, t2d: torch.Tensor | None = None):
         super().__init__()
         self.config = config
         self.blocks = nn.ModuleList(
@@ -140,7 +195,15 @@ class MedusaHeads(nn.Module):
             for _ in range(config.num_heads)
         )
         self._shared: tuple[nn.Module, ...] = ()
-        if config.share_lm_head:
+        draft = config.draft_vocab_size is not None
+        if draft:
+            d2t, t2d = self._vocab_maps(config, d2t, t2d)
+            self.register_buffer("d2t", d2t.to(torch.int64).cpu().clone())
+            self.register_buffer("t2d", t2d.to(torch.bool).cpu().clone())
+        elif d2t is not None or t2d is not None:
+            raise ValueError("d2t/t2d map a draft vocabulary: set MedusaConfig.draft_vocab_size "
+                             "to its size, or pass neither")
+        if config.reads_target_lm_head:
             if lm_head is None:
                 raise ValueError(
                     "these Medusa heads share the target's LM head (share_lm_head=True): pass the "
@@ -148,32 +211,58 @@ class MedusaHeads(nn.Module):
                 )
             self.bind_lm_head(lm_head)
         else:
-            self.lm_heads = nn.ModuleList(
-                nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-                for _ in range(config.num_heads)
-            )
+            size = config.head_vocab_size
+            if config.share_lm_head:  # draft vocabulary: one projection of their own, shared
+                self.lm_head = nn.Linear(config.hidden_size, size, bias=False)
+                own = [self.lm_head]
+            else:
+                self.lm_heads = nn.ModuleList(
+                    nn.Linear(config.hidden_size, size, bias=False)
+                    for _ in range(config.num_heads)
+                )
+                own = list(self.lm_heads)
             if lm_head is not None:
-                weight = self._checked_lm_weight(lm_head)
+                weight = self._checked_lm_weight(lm_head)  # (V, H)
+                if draft:
+                    weight = weight[draft_token_ids(self.d2t).to(weight.device)]  # (N, H)
                 with torch.no_grad():
-                    for head in self.lm_heads:
+                    for head in own:
                         head.weight.copy_(weight)
         self.to(device=device, dtype=dtype)
+
+    @staticmethod
+    def _vocab_maps(config: MedusaConfig, d2t, t2d) -> tuple[torch.Tensor, torch.Tensor]:
+        if d2t is None or t2d is None:
+            raise ValueError(
+                f"heads over a draft vocabulary of {config.draft_vocab_size} tokens need its maps: "
+                "pass d2t and t2d (heads.draft_vocab.build_draft_vocab(token_counts, n))"
+            )
+        check_vocab_maps(d2t, t2d, config.vocab_size)
+        if d2t.numel() != config.draft_vocab_size:
+            raise ValueError(f"d2t has {d2t.numel()} entries, MedusaConfig.draft_vocab_size is "
+                             f"{config.draft_vocab_size}")
+        return d2t, t2d
 
     @classmethod
     def from_target(cls, target: Target, num_heads: int = 4, num_layers: int = 1,
                     share_lm_head: bool = False, bias: bool = True,
-                    dtype: torch.dtype | None = None) -> MedusaHeads:
+                    dtype: torch.dtype | None = None, *, d2t: torch.Tensor | None = None,
+                    t2d: torch.Tensor | None = None) -> MedusaHeads:
         """Fresh heads for ``target``: identity blocks, projections from its LM head.
 
-        ``dtype`` defaults to float32 for a half-precision target (master weights for training;
-        accelerate autocasts the matmuls) and to the target's dtype otherwise.
+        ``d2t`` / ``t2d`` (:func:`heads.draft_vocab.build_draft_vocab`): heads over that draft
+        vocabulary, their projection the target's rows of its tokens. ``dtype`` defaults to
+        float32 for a half-precision target (master weights for training; accelerate autocasts
+        the matmuls) and to the target's dtype otherwise.
         """
         if dtype is None:
             dtype = torch.float32 if target.dtype in (torch.float16, torch.bfloat16) else target.dtype
         config = MedusaConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
                               num_heads=num_heads, num_layers=num_layers,
-                              share_lm_head=share_lm_head, bias=bias)
-        return cls(config, lm_head=target.lm_head, dtype=dtype, device=target.device)
+                              share_lm_head=share_lm_head, bias=bias,
+                              draft_vocab_size=None if d2t is None else int(d2t.numel()))
+        return cls(config, lm_head=target.lm_head, dtype=dtype, device=target.device,
+                   d2t=d2t, t2d=t2d)
 
     def _checked_lm_weight(self, lm_head: nn.Module) -> torch.Tensor:
         weight = getattr(lm_head, "weight", None)
@@ -186,8 +275,9 @@ class MedusaHeads(nn.Module):
 
     def bind_lm_head(self, lm_head: nn.Module) -> None:
         """Point a shared-projection set of heads at the target's LM head (after loading)."""
-        if not self.config.share_lm_head:
-            raise ValueError("these heads have their own projections (share_lm_head=False)")
+        if not self.config.reads_target_lm_head:
+            raise ValueError("these heads have their own projections (share_lm_head=False, or a "
+                             "draft vocabulary)")
         self._checked_lm_weight(lm_head)
         self._shared = (lm_head,)
 
@@ -196,10 +286,28 @@ class MedusaHeads(nn.Module):
         return self.config.num_heads
 
     def lm_head_weight(self, k: int) -> torch.Tensor:
-        """(V, H) projection of head k (0-based)."""
-        if self.config.share_lm_head:
+        """(V, H) projection of head k (0-based); V is the draft vocabulary's size if it has one."""
+        if self.config.reads_target_lm_head:
             return self._shared[0].weight
+        if self.config.share_lm_head:
+            return self.lm_head.weight
         return self.lm_heads[k].weight
+
+    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Ids of the heads' logits (draft ids with a draft vocabulary) -> target ids."""
+        if self.config.draft_vocab_size is None:
+            return ids
+        return ids + self.d2t[ids]
+
+    def target_to_draft(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Target ids -> ids of the heads' logits; -1 where a target id has no draft id."""
+        if self.config.draft_vocab_size is None:
+            return target_ids
+        return target_to_draft(self.t2d, target_ids)
+
+    def draft_columns(self) -> torch.Tensor | None:
+        """(N,) the target id of every draft id (None without a draft vocabulary)."""
+        return None if self.config.draft_vocab_size is None else draft_token_ids(self.d2t)
 
     def head_states(self, hidden: torch.Tensor, num: int | None = None) -> list[torch.Tensor]:
         """hidden (..., H) -> [(..., H)] * num: the residual blocks' output of the first num heads."""
@@ -222,6 +330,16 @@ class MedusaHeads(nn.Module):
             weight = self.lm_head_weight(0)
             return F.linear(torch.stack(states).to(weight.dtype), weight)
         return torch.stack([self.project(s, k) for k, s in enumerate(states)])
+
+    def top_tokens(self, hidden: torch.Tensor, k: int, num: int | None = None) -> torch.Tensor:
+        """hidden (..., H) -> (num, ..., k) target ids: each head's k likeliest guesses, in order.
+
+        With a draft vocabulary the top k is taken over the draft ids and mapped to target ids.
+        """
+        if not 1 <= k <= self.config.head_vocab_size:
+            raise ValueError(f"asked for the top {k} guesses; the heads guess among "
+                             f"{self.config.head_vocab_size} tokens")
+        return self.draft_to_target(self(hidden, num).topk(k, dim=-1).indices)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,18 +457,27 @@ def load_medusa(directory: str | os.PathLike, target: Target | None = None,
                               allow_other_weights=allow_other_weights or adapted)
         check_adapted_target(directory, config, target)
     cfg = MedusaConfig.from_dict(config)
-    if cfg.share_lm_head and target is None:
+    if cfg.reads_target_lm_head and target is None:
         raise ValueError(
             f"the Medusa artifact {directory} shares the target's LM head (not stored in it): "
             "pass target=... to load it"
         )
+    maps = {}
+    if cfg.draft_vocab_size is not None:
+        maps = {"d2t": state.get("d2t"), "t2d": state.get("t2d")}
+        if maps["d2t"] is None or maps["t2d"] is None:
+            raise ValueError(f"{directory}: its config has draft_vocab_size "
+                             f"{cfg.draft_vocab_size} but its weights lack d2t/t2d; the artifact "
+                             "is damaged, write it again")
     if device is None and target is not None:
         device = target.device
-    stored = next(iter(state.values())).dtype if state else torch.float32
+    floats = [v for v in state.values() if v.is_floating_point()]
+    stored = floats[0].dtype if floats else torch.float32
     if dtype is None:
         dtype = target.dtype if target is not None else stored
     # built in the stored dtype, so loading the weights rounds nothing
-    heads = MedusaHeads(cfg, lm_head=target.lm_head if cfg.share_lm_head else None, dtype=stored)
+    heads = MedusaHeads(cfg, lm_head=target.lm_head if cfg.reads_target_lm_head else None,
+                        dtype=stored, **maps)
     missing, unexpected = heads.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{directory}: weights do not match its config (missing {missing[:4]}, "
@@ -365,13 +492,21 @@ def load_medusa(directory: str | os.PathLike, target: Target | None = None,
 
 
 def _stored_dtype(weights: Path) -> torch.dtype:
+    """The dtype of the first floating-point tensor (d2t / t2d are integers and booleans)."""
     with safe_open(str(weights), framework="pt") as f:
-        keys = sorted(f.keys())
-        return f.get_slice(keys[0])[:1].dtype if keys else torch.float32
+        for key in sorted(f.keys()):
+            dtype = f.get_slice(key)[:1].dtype
+            if dtype.is_floating_point:
+                return dtype
+    return torch.float32
 
 
 def _vllm_state(heads: MedusaHeads, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """vLLM <= 0.32 MedusaModel names; a shared projection is loaded from lm_heads.0 only."""
+    """vLLM <= 0.32 MedusaModel names; a shared projection is loaded from lm_heads.0 only.
+
+    A draft vocabulary adds ``token_map`` (int64 (N,), the target id of every draft id), which
+    vLLM reads when ``truncated_vocab_size`` < ``vocab_size``.
+    """
     state = {}
     for h in range(heads.num_heads):
         for j, layer in enumerate(heads.blocks[h].layers):
@@ -380,7 +515,11 @@ def _vllm_state(heads: MedusaHeads, dtype: torch.dtype) -> dict[str, torch.Tenso
                 state[f"blocks.{h}.layers.{j}.bias"] = layer.bias
         if h == 0 or not heads.config.share_lm_head:
             state[f"lm_heads.{h}.weight"] = heads.lm_head_weight(h)
-    return {k: v.to(dtype) for k, v in state.items()}
+    state = {k: v.to(dtype) for k, v in state.items()}
+    columns = heads.draft_columns()
+    if columns is not None:
+        state["token_map"] = columns.to(torch.int64)
+    return state
 
 
 def _trtllm_state(heads: MedusaHeads, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -443,6 +582,12 @@ def export_medusa(artifact_dir: str | os.PathLike, fmt: str, out_dir: str | os.P
     Heads that share the target's LM head get its weight in every slot (vllm-0.32: in lm_heads.0,
     with original_lm_head). That needs the target: pass it, or it is loaded from the artifact's
     ``base_model``. Weights are written in ``dtype``, by default the artifact's.
+
+    Heads over a draft vocabulary (``draft_vocab_size``) export to vllm-0.32 only: their (N, H)
+    projections, ``truncated_vocab_size`` N and ``token_map`` (int64 (N,) target ids), which
+    vLLM scatters back into the full vocabulary with -inf elsewhere, so the export proposes
+    exactly the artifact's tokens. trtllm and fasterdecoding are refused (see the module
+    docstring).
     """
     from heads.export import check_format, resolve_hub_id, write_export
 
@@ -451,6 +596,15 @@ def export_medusa(artifact_dir: str | os.PathLike, fmt: str, out_dir: str | os.P
     check_destination(out_dir, kind="export", overwrite=overwrite, protect=[artifact_dir])
     hub_id = resolve_hub_id(config, base_model, "--base-model")
     cfg = MedusaConfig.from_dict(config)
+    if cfg.draft_vocab_size is not None and fmt != "vllm-0.32":
+        raise ValueError(
+            f"these heads guess over a draft vocabulary (draft_vocab_size {cfg.draft_vocab_size} "
+            f"of the target's {cfg.vocab_size} tokens), and {fmt} projects every head onto the "
+            "full vocabulary with no bias and no token map, so no export to it can rank the "
+            "tokens as these heads do. Export with --format vllm-0.32 (vLLM's MedusaModel maps "
+            "the draft vocabulary through token_map, exactly), or train with draft_vocab_size: "
+            "null for TensorRT-LLM and FasterDecoding"
+        )
     if fmt == "fasterdecoding":
         _check_fasterdecoding(cfg, (config.get("target") or {}).get("model_type"), write_pt)
         if hub_id is None:
@@ -459,7 +613,7 @@ def export_medusa(artifact_dir: str | os.PathLike, fmt: str, out_dir: str | os.P
                 f"artifact's target {(config.get('target') or {}).get('name')!r} has no hub id "
                 "recorded: pass --base-model ORG/NAME"
             )
-    if target is None and config.get("share_lm_head"):
+    if target is None and cfg.reads_target_lm_head:
         from heads.target import load_target
 
         spec = config.get("base_model")
@@ -480,7 +634,7 @@ def export_medusa(artifact_dir: str | os.PathLike, fmt: str, out_dir: str | os.P
             "num_hidden_layers": cfg.num_layers,
             "hidden_size": cfg.hidden_size,
             "vocab_size": cfg.vocab_size,
-            "truncated_vocab_size": cfg.vocab_size,
+            "truncated_vocab_size": cfg.head_vocab_size,  # < vocab_size: token_map is read
             "medusa_fc_bias": cfg.bias,
             "original_lm_head": cfg.share_lm_head,
             "max_paths": len(art.tree),
@@ -609,13 +763,44 @@ def _from_numbered(state: dict[str, torch.Tensor], num_layers: int, directory: P
     return len(heads), mine
 
 
+def _vllm_draft_vocabulary(meta: dict, token_map: torch.Tensor | None,
+                           mine: dict[str, torch.Tensor], directory: Path):
+    """vLLM's truncated vocabulary -> (d2t, t2d), the projections cut and ordered to match.
+
+    vLLM uses ``token_map`` (the target id of every draft row) only when
+    ``truncated_vocab_size`` < ``vocab_size``, and then cuts projections of the full vocabulary
+    to its rows; draftsmith's draft ids follow ascending target ids, so the rows are sorted by
+    target id (the same tokens, the same logits). Returns None for a full-vocabulary export.
+    """
+    vocab = meta.get("vocab_size")
+    truncated = meta.get("truncated_vocab_size", vocab)
+    if vocab is None or truncated is None or int(truncated) >= int(vocab):
+        return None
+    if token_map is None:
+        raise ValueError(f"{directory}: truncated_vocab_size {truncated} < vocab_size {vocab} "
+                         "but the weights have no token_map, so the draft rows cannot be mapped "
+                         "to target ids; the export is incomplete")
+    token_map = token_map.to(torch.int64).reshape(-1)
+    if token_map.numel() != int(truncated):
+        raise ValueError(f"{directory}: token_map has {token_map.numel()} entries, "
+                         f"truncated_vocab_size is {truncated}")
+    order = torch.argsort(token_map)
+    for key in [key for key in mine if key.startswith("lm_heads.")]:
+        rows = mine[key]
+        if rows.shape[0] > token_map.numel():  # the full vocabulary: vLLM keeps the mapped rows
+            rows = rows[token_map]
+        mine[key] = rows[order]
+    return maps_from_token_ids(token_map[order], int(vocab))
+
+
 def load_medusa_export(directory: str | os.PathLike) -> MedusaHeads:
     """Read a Medusa serving layout back into MedusaHeads (a projection per head), on the CPU.
 
     trtllm / fasterdecoding (medusa_lm_head.safetensors) and vllm-0.32 (model.safetensors with
     num_heads). The head count is taken from the weights (FasterDecoding's published configs
-    sometimes name another). A directory with only medusa_lm_head.pt is refused: draftsmith
-    never loads pickles; the message gives the one-line conversion.
+    sometimes name another). A vLLM export with a truncated vocabulary (``token_map``) gives
+    heads over that draft vocabulary. A directory with only medusa_lm_head.pt is refused:
+    draftsmith never loads pickles; the message gives the one-line conversion.
     """
     directory = Path(directory)
     cfg_path = directory / "config.json"
@@ -625,6 +810,7 @@ def load_medusa_export(directory: str | os.PathLike) -> MedusaHeads:
     meta = read_json_object(cfg_path, fix=fix)
     if "method" in meta:
         raise FileNotFoundError(f"{directory} is a draftsmith artifact, read with load_medusa")
+    shared, draft = False, None
     if (directory / _TRTLLM_WEIGHTS).is_file():
         state = load_safetensors(directory / _TRTLLM_WEIGHTS, fix=fix)
         n = _field(meta, "medusa_num_layers", directory, default=1)
@@ -632,6 +818,7 @@ def load_medusa_export(directory: str | os.PathLike) -> MedusaHeads:
     elif (directory / _VLLM_WEIGHTS).is_file() and any(
             key in meta for key in ("num_heads", "medusa_num_heads")):
         state = load_safetensors(directory / _VLLM_WEIGHTS, fix=fix)
+        token_map = state.pop("token_map", None)
         n = _field(meta, "num_hidden_layers" if "num_hidden_layers" in meta
                    else "medusa_num_layers", directory, default=1)
         if any(_NUMBERED.fullmatch(key.removeprefix("medusa_heads.")) for key in state):
@@ -640,9 +827,8 @@ def load_medusa_export(directory: str | os.PathLike) -> MedusaHeads:
             mine = dict(state)
             k = _field(meta, "num_heads" if "num_heads" in meta else "medusa_num_heads",
                        directory)
-            if meta.get("original_lm_head"):  # one projection shared by every head
-                shared = _tensor(mine, "lm_heads.0.weight", directory)
-                mine.update({f"lm_heads.{h}.weight": shared for h in range(k)})
+            shared = bool(meta.get("original_lm_head"))  # one projection shared by every head
+        draft = _vllm_draft_vocabulary(meta, token_map, mine, directory)
     elif (directory / _PT_WEIGHTS).is_file():
         raise ValueError(
             f"{directory} holds its heads only as {_PT_WEIGHTS}, a pickle, which draftsmith never "
@@ -657,11 +843,23 @@ def load_medusa_export(directory: str | os.PathLike) -> MedusaHeads:
             f"FasterDecoding / TensorRT-LLM one ({_TRTLLM_WEIGHTS}); a draftsmith artifact is "
             "read with load_medusa"
         )
-    weight = _tensor(mine, "lm_heads.0.weight", directory)  # (V, H)
-    cfg = MedusaConfig(hidden_size=int(weight.shape[1]), vocab_size=int(weight.shape[0]),
-                       num_heads=k, num_layers=n,
-                       bias=any(key.endswith(".bias") for key in mine))
-    heads = MedusaHeads(cfg, dtype=weight.dtype)
+    weight = _tensor(mine, "lm_heads.0.weight", directory)  # (V, H), or (N, H) over a draft
+    maps, vocab = {}, int(weight.shape[0])
+    if draft is not None:
+        maps = dict(zip(("d2t", "t2d"), draft, strict=True))
+        vocab = int(draft[1].numel())
+    if shared and draft is not None:  # the heads' own projection, shared: lm_head.weight
+        mine["lm_head.weight"] = weight
+        for key in [key for key in mine if key.startswith("lm_heads.")]:
+            del mine[key]  # vLLM reads lm_heads.0 alone when original_lm_head
+    elif shared:  # the target's LM head in one slot: a copy for every head
+        mine.update({f"lm_heads.{h}.weight": weight for h in range(k)})
+    cfg = MedusaConfig(hidden_size=int(weight.shape[1]), vocab_size=vocab, num_heads=k,
+                       num_layers=n, bias=any(key.endswith(".bias") for key in mine),
+                       share_lm_head=shared and draft is not None,
+                       draft_vocab_size=None if draft is None else int(weight.shape[0]))
+    heads = MedusaHeads(cfg, dtype=weight.dtype, **maps)
+    mine.update(maps)
     expected = heads.state_dict()
     for key, value in mine.items():
         if key in expected and tuple(value.shape) != tuple(expected[key].shape):

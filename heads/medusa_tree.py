@@ -237,7 +237,7 @@ def measure_head_cost(heads: MedusaHeads, depth: int | None = None, topk: int = 
     for _ in range(repeats + 1):
         _sync(device)
         start = time.perf_counter()
-        heads(h, num=depth).topk(min(topk, heads.config.vocab_size), dim=-1).indices.cpu()
+        heads.top_tokens(h, min(topk, heads.config.head_vocab_size), num=depth).cpu()
         _sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])

@@ -369,7 +369,12 @@ def load_medusa_heads(directory: str | os.PathLike, target: Target,
     heads = load_medusa_export(directory)
     cfg = heads.config
     if cfg.hidden_size != target.hidden_size or cfg.vocab_size != target.vocab_size:
-        got = tuple(heads.lm_heads[0].weight.shape)
+        if cfg.draft_vocab_size is not None:
+            raise ValueError(f"{directory}: heads of hidden {cfg.hidden_size} over a draft "
+                             f"vocabulary of a {cfg.vocab_size}-token target, the target "
+                             f"{target.name!r} has hidden {target.hidden_size} and "
+                             f"{target.vocab_size} tokens")
+        got = tuple(heads.lm_head_weight(0).shape)
         raise ValueError(f"{directory}: the vocabulary projection of head 0 has shape {got}, the "
                          f"target {target.name!r} needs ({target.vocab_size}, "
                          f"{target.hidden_size})")

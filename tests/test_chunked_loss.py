@@ -113,6 +113,45 @@ def test_plain_rows_keep_the_two_dimensional_api(problem):
         projected_cross_entropy(rows, weight, labels, chunk_size=0)
 
 
+@pytest.mark.parametrize("soft", [False, True])
+def test_labels_without_a_column_are_never_hits_and_unscored_by_the_hard_term(problem, soft):
+    """Label -1: the token has no row in weight (a draft vocabulary's miss)."""
+    states, weight, teacher_states, teacher_head, _, labels = problem
+    rows = states[0].detach().requires_grad_(True)
+    missing = torch.zeros(N, dtype=torch.bool)
+    missing[[1, 4, 5, 9]] = True
+    marked = torch.where(missing, -1, labels)
+    teacher = dict(teacher_states=teacher_states, teacher_head=teacher_head,
+                   teacher_columns=COLUMNS) if soft else {}
+    weights = dict(hard_weight=0.0, soft_weight=1.0) if soft else {}
+    out = projected_cross_entropy(rows, weight, marked, chunk_size=3, topk=3, **teacher,
+                                  **weights)
+    out.loss.backward()
+    got = rows.grad.clone(), weight.grad.clone()
+    rows.grad = weight.grad = None
+    # the same rows scored with labels everywhere: soft unchanged; hard over the labelled rows
+    row_mask = None if soft else ~missing
+    full = projected_cross_entropy(rows, weight, labels, chunk_size=3, topk=3, row_mask=row_mask,
+                                   **teacher, **weights)
+    full.loss.backward()
+    torch.testing.assert_close(out.loss, full.loss)
+    torch.testing.assert_close(got[0], rows.grad)
+    torch.testing.assert_close(got[1], weight.grad)
+    assert out.scored == full.scored
+    logp = (rows @ weight.T).log_softmax(-1)
+    hits = (logp.topk(3, -1).indices == labels[:, None]) & ~missing[:, None]
+    if soft:  # rows whose teacher argmax has no column are skipped
+        in_columns = torch.zeros(V_TEACHER, dtype=torch.bool)
+        in_columns[COLUMNS] = True
+        hits &= in_columns[teacher_head(teacher_states).argmax(-1)][:, None]
+    assert torch.equal(out.hits, hits.sum(0)) and int(hits.sum()) > 0
+    scored = ~missing  # hard_ce sums -log p(label) over the labelled rows that were scored
+    if soft:
+        scored &= in_columns[teacher_head(teacher_states).argmax(-1)]
+    hard = -logp.gather(-1, labels[:, None])[:, 0]
+    torch.testing.assert_close(out.hard_ce, hard.detach()[scored].sum())
+
+
 def test_frozen_weight_and_no_grad_keep_no_buffers(problem):
     states, weight, teacher_states, teacher_head, row_mask, _ = problem
     frozen = weight.detach()

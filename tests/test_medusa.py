@@ -18,6 +18,8 @@ from eval.engine import SpeculativeEngine
 from eval.medusa import MedusaProposer, MedusaTree, TypicalMedusaProposer, typical_acceptance
 from eval.sampling import SamplingParams, warp
 from eval.tree import DraftTree
+from heads.draft_vocab import build_draft_vocab, count_tokens
+from heads.export import export as export_any
 from heads.medusa import (
     MedusaConfig,
     MedusaHeads,
@@ -41,6 +43,7 @@ from heads.medusa_tree import (
     measure_verify_cost,
     plan_medusa_tree,
 )
+from heads.public_heads import load_medusa_heads
 from heads.target import wrap_target
 
 
@@ -58,10 +61,12 @@ def small_target(vocab: int, seed: int = 0, std: float = 0.02, name: str = "tiny
 
 
 def random_heads(target, num_heads: int = 3, num_layers: int = 1, share: bool = False,
-                 seed: int = 1, scale: float = 0.3) -> MedusaHeads:
-    """Heads from ``target`` with random blocks (and perturbed projections), so guesses differ."""
+                 seed: int = 1, scale: float = 0.3, maps=None) -> MedusaHeads:
+    """Heads from ``target`` with random blocks (and perturbed projections), so guesses differ;
+    ``maps`` (d2t, t2d): heads over that draft vocabulary."""
+    d2t, t2d = maps or (None, None)
     heads = MedusaHeads.from_target(target, num_heads=num_heads, num_layers=num_layers,
-                                    share_lm_head=share)
+                                    share_lm_head=share, d2t=d2t, t2d=t2d)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in heads.parameters():
@@ -153,6 +158,79 @@ def test_shared_heads_need_an_lm_head(target32):
     wrong = torch.nn.Linear(64, 31, bias=False)
     with pytest.raises(ValueError, match="shape"):
         MedusaHeads(cfg, lm_head=wrong)
+
+
+# ---------------------------------------------------------------------------------------------
+# heads over a draft vocabulary
+
+# target32's draft vocabulary in the tests: 12 of its 32 tokens, not a prefix of the ids
+DRAFT_COUNTS = (torch.arange(32) * 7) % 11
+
+
+def draft_maps(n: int = 12, counts=DRAFT_COUNTS):
+    return build_draft_vocab(counts, n)
+
+
+def test_draft_vocab_config_round_trips_and_defaults_to_the_whole_vocabulary():
+    cfg = MedusaConfig(64, 32, 3, draft_vocab_size=12, share_lm_head=True)
+    assert MedusaConfig.from_dict(cfg.to_dict()) == cfg and cfg.head_vocab_size == 12
+    assert not cfg.reads_target_lm_head  # its own projection over the draft vocabulary
+    old = MedusaConfig(64, 32, 3).to_dict()
+    del old["draft_vocab_size"]  # an artifact written before the key existed
+    back = MedusaConfig.from_dict(old)
+    assert back.draft_vocab_size is None and back.head_vocab_size == 32
+    for bad in (0, 33, True, 2.5):
+        with pytest.raises(ValueError, match="draft_vocab_size must be None .* 1..32"):
+            MedusaConfig(64, 32, 3, draft_vocab_size=bad)
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_draft_heads_project_onto_the_targets_rows_and_map_through_d2t(target32, share):
+    d2t, t2d = draft_maps()
+    kept = torch.nonzero(t2d).flatten()  # (12,) ascending target ids
+    assert kept.tolist() != list(range(12))  # the offsets matter
+    heads = MedusaHeads.from_target(target32, num_heads=3, num_layers=2, share_lm_head=share,
+                                    d2t=d2t, t2d=t2d)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    logits, (hidden,) = target32.features(ids, [target32.num_layers])
+    out = heads(hidden)  # (3, 1, 8, 12): identity blocks + the target's rows of the kept tokens
+    assert out.shape == (3, 1, 8, 12)
+    for k in range(3):
+        torch.testing.assert_close(out[k], logits[..., kept], rtol=0, atol=1e-12)
+    # candidates are target ids: the kept tokens in the order of the target's own logits
+    top = heads.top_tokens(hidden, 4)  # (3, 1, 8, 4)
+    expected = kept[logits[..., kept].topk(4, dim=-1).indices]
+    assert torch.equal(top, expected.expand(3, -1, -1, -1))
+    assert torch.equal(heads.draft_to_target(torch.arange(12)), kept)
+    assert torch.equal(heads.target_to_draft(kept), torch.arange(12))
+    dropped = torch.nonzero(~t2d).flatten()
+    assert (heads.target_to_draft(dropped) == -1).all()
+    names = set(heads.state_dict())
+    assert {"d2t", "t2d"} <= names
+    assert ("lm_head.weight" in names) is share
+    assert ("lm_heads.0.weight" in names) is (not share)
+    assert heads.lm_head_weight(0).shape == (12, 64) and heads.lm_head_weight(0).requires_grad
+    counts = medusa_param_counts(heads.config)
+    assert counts["trainable"] == sum(p.numel() for p in heads.parameters())
+    assert counts["shared_lm_head"] == 12 * 64 and counts["lm_head_copies"] == 3 * 12 * 64
+    with pytest.raises(ValueError, match="top 13 guesses; the heads guess among 12"):
+        heads.top_tokens(hidden, 13)
+    smol = medusa_param_counts(MedusaConfig(576, 49152, 4, share_lm_head=True,
+                                            draft_vocab_size=8192))
+    assert smol["trainable"] == smol["blocks"] + 8192 * 576
+
+
+def test_draft_heads_refuse_missing_or_wrong_maps(target32):
+    d2t, t2d = draft_maps()
+    cfg = MedusaConfig(64, 32, 2, draft_vocab_size=12)
+    with pytest.raises(ValueError, match="need its maps: pass d2t and t2d"):
+        MedusaHeads(cfg)
+    with pytest.raises(ValueError, match="d2t has 12 entries, MedusaConfig.draft_vocab_size is 11"):
+        MedusaHeads(MedusaConfig(64, 32, 2, draft_vocab_size=11), d2t=d2t, t2d=t2d)
+    with pytest.raises(ValueError, match="t2d does not mark"):
+        MedusaHeads(cfg, d2t=d2t, t2d=~t2d)
+    with pytest.raises(ValueError, match="set MedusaConfig.draft_vocab_size"):
+        MedusaHeads(MedusaConfig(64, 32, 2), d2t=d2t, t2d=t2d)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,6 +462,37 @@ def test_greedy_with_a_medusa_tree_equals_target_greedy(target32, share):
     assert accepted > 0, "no draft token was ever accepted: the test would not exercise the tree"
 
 
+@pytest.mark.parametrize("share", [False, True])
+def test_greedy_with_a_draft_vocabulary_equals_target_greedy(target32, share):
+    """Reduced-vocabulary heads propose target ids through d2t; the target verifies over its
+    whole vocabulary, so the output is plain greedy decoding, token for token."""
+    engine = SpeculativeEngine(target32)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 32, (1, 6), generator=gen) for _ in range(6)]
+    with one_thread():
+        references = [target32.model.generate(
+            p, attention_mask=torch.ones_like(p), max_new_tokens=30, do_sample=False,
+            pad_token_id=0)[0, 6:].tolist() for p in prompts]
+    # the draft vocabulary from "training data": the target's answers to the first three
+    maps = build_draft_vocab(count_tokens(references[:3], 32), 12)
+    heads = random_heads(target32, num_heads=3, share=share, maps=maps, scale=0.1)
+    tree = build_medusa_tree([[0.5, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.2, 0.1]], 12)
+    proposer = MedusaProposer(target32, heads, tree)
+    proposed, accepted, outside = set(), 0, 0
+    with one_thread():
+        for prompt, reference in zip(prompts[3:], references[3:], strict=True):
+            out = engine.generate(prompt[0].tolist(), 30, SamplingParams(), proposer)
+            assert out.tokens == reference
+            accepted += sum(out.acceptance.accepted_per_depth)
+            outside += sum(not maps[1][t] for t in reference)
+            proposed |= set(proposer.propose(prompt[0].tolist(), 3).tokens)
+    assert accepted > 0, "no draft token was ever accepted: the test would not exercise the tree"
+    assert outside > 0, "every emitted token was in the draft vocabulary: a weak test"
+    assert proposed <= set(torch.nonzero(maps[1]).flatten().tolist())  # target ids, drafted
+    with pytest.raises(ValueError, match="rank 12 but the heads guess among 12 tokens"):
+        MedusaProposer(target32, heads, [(r,) for r in range(13)])
+
+
 def _exact_first_three(target, prompt: list[int]) -> dict[tuple[int, int, int], float]:
     """P(t1, t2, t3) of the target at temperature 1, by enumeration over the tiny vocabulary."""
     v = target.vocab_size
@@ -466,14 +575,17 @@ class _NoRenormalisation(MedusaProposer):
             node = accepted
 
 
-def test_temperature_one_distribution_matches_the_target(target6):
+@pytest.mark.parametrize("draft", [None, 4])
+def test_temperature_one_distribution_matches_the_target(target6, draft):
     # four new tokens: the first comes from the prefill, the first round then verifies a tree of
     # depth 2 (several children at depth 1 and 2), so the first three tokens depend on the
-    # deterministic-children rule at both depths; their law must be the target's
+    # deterministic-children rule at both depths; their law must be the target's. ``draft``: the
+    # heads guess among 4 of the 6 tokens (ids 0, 2, 3, 5), mapped to target ids through d2t.
     prompt = [1, 2, 3]
     exact = _exact_first_three(target6, prompt)
     assert sum(exact.values()) == pytest.approx(1.0)
-    heads = random_heads(target6, num_heads=2, scale=0.2)
+    maps = None if draft is None else build_draft_vocab(torch.tensor([5, 1, 4, 3, 0, 2]), draft)
+    heads = random_heads(target6, num_heads=2, scale=0.2, maps=maps)
     tree = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)]
     engine = SpeculativeEngine(target6)
     params = SamplingParams(temperature=1.0)
@@ -495,6 +607,8 @@ def test_temperature_one_distribution_matches_the_target(target6):
     assert _outside_bound(counts, exact, samples) == []
     # the tree was really used: tokens were accepted at depth 1 and at depth 2
     assert accepted[0] > samples // 10 and accepted[1] > samples // 50
+    if draft is not None:  # the wrong rules are rejected once, below, with full-vocabulary heads
+        return
     # the same check rejects wrong rules, a blatant and a subtle one
     wrong, _ = sample(_AlwaysAccept(target6, heads, tree), 100)
     assert _outside_bound(wrong, exact, 100) != []
@@ -653,6 +767,120 @@ def test_export_errors(target32, tmp_path):
         torch.float32}
     with pytest.raises(FileNotFoundError):
         load_medusa_export(tmp_path / "a")  # an artifact is not a serving layout
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_draft_vocab_artifact_round_trip(target32, tmp_path, share):
+    maps = draft_maps()
+    heads = random_heads(target32, num_heads=3, share=share, maps=maps)
+    acc = [[0.5, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.2, 0.1]]
+    tree = build_medusa_tree(acc, 6)
+    save_medusa(tmp_path / "a", heads, target32, tree=tree, tree_info={"rank_accuracies": acc})
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert config["draft_vocab_size"] == 12 and config["share_lm_head"] is share
+    stored = load_file(str(tmp_path / "a" / "model.safetensors"))
+    assert stored["d2t"].dtype == torch.int64 and stored["t2d"].dtype == torch.bool
+    assert torch.equal(stored["d2t"], maps[0]) and torch.equal(stored["t2d"], maps[1])
+    assert stored["lm_head.weight" if share else "lm_heads.2.weight"].shape == (12, 64)
+    h = torch.randn(5, 64, dtype=torch.float64)
+    # its own projection is stored: no target needed to load it, even with share_lm_head
+    for art in (load_medusa(tmp_path / "a"), load_medusa(tmp_path / "a", target32)):
+        assert torch.equal(art.heads(h), heads(h)) and art.tree == tree
+        assert torch.equal(art.heads.top_tokens(h, 3), heads.top_tokens(h, 3))
+    proposer = MedusaProposer.from_artifact(tmp_path / "a", target32, tree_nodes=10)
+    assert proposer.tree.paths == build_medusa_tree(acc, 10)
+    with pytest.raises(ValueError, match="trained for target 'tiny32'"):
+        load_medusa(tmp_path / "a", small_target(32, seed=5, name="other32"))
+    damaged = {k: v for k, v in stored.items() if k != "t2d"}
+    from safetensors.torch import save_file
+    save_file(damaged, str(tmp_path / "a" / "model.safetensors"))
+    with pytest.raises(ValueError, match="lack d2t/t2d"):
+        load_medusa(tmp_path / "a")
+
+
+def test_full_vocabulary_artifacts_without_the_key_load_unchanged(target32, tmp_path):
+    heads = random_heads(target32, num_heads=2)
+    save_medusa(tmp_path / "a", heads, target32)
+    path = tmp_path / "a" / "config.json"
+    config = json.loads(path.read_text())
+    assert config["draft_vocab_size"] is None
+    del config["draft_vocab_size"]  # as written before the key existed
+    path.write_text(json.dumps(config))
+    art = load_medusa(tmp_path / "a", target32)
+    h = torch.randn(3, 64, dtype=torch.float64)
+    assert art.heads.config.draft_vocab_size is None and torch.equal(art.heads(h), heads(h))
+
+
+def _vllm_compute_logits(draft_logits: torch.Tensor, token_map: torch.Tensor,
+                         vocab: int) -> torch.Tensor:
+    """vLLM <= 0.32 Medusa.compute_logits with a token_map: the draft logits scattered into the
+    full vocabulary, -inf everywhere else."""
+    full = torch.full((*draft_logits.shape[:-1], vocab), -torch.inf, dtype=draft_logits.dtype)
+    full[..., token_map] = draft_logits
+    return full
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_draft_vocab_exports_exactly_to_vllm_and_is_refused_elsewhere(target32, tmp_path, share):
+    maps = draft_maps()
+    heads = random_heads(target32, num_heads=3, share=share, maps=maps)
+    save_medusa(tmp_path / "a", heads, target32, tree=[(0,), (1,), (0, 0)])
+    out = export_medusa(tmp_path / "a", "vllm-0.32", tmp_path / "v")
+    meta = json.loads((out / "config.json").read_text())
+    assert (meta["vocab_size"], meta["truncated_vocab_size"]) == (32, 12)
+    assert meta["original_lm_head"] is share
+    state = load_file(str(out / "model.safetensors"))
+    kept = torch.nonzero(maps[1]).flatten()
+    assert state["token_map"].dtype == torch.int64 and torch.equal(state["token_map"], kept)
+    heads_written = [k for k in state if k.startswith("lm_heads.")]
+    assert heads_written == (["lm_heads.0.weight"] if share else
+                             [f"lm_heads.{h}.weight" for h in range(3)])
+    assert all(state[k].shape == (12, 64) for k in heads_written)
+    # what vLLM computes from these tensors: per head, the draft logits scattered by token_map
+    h = torch.randn(7, 64, dtype=torch.float64)
+    states = heads.head_states(h)
+    for k, x in enumerate(states):
+        weight = state["lm_heads.0.weight" if share else f"lm_heads.{k}.weight"]
+        full = _vllm_compute_logits(x @ weight.T, state["token_map"], 32)
+        assert torch.equal(full.argmax(-1), heads.top_tokens(h, 1)[k, :, 0])
+        assert torch.equal(full.topk(3, dim=-1).indices, heads.top_tokens(h, 3)[k])
+    back = load_medusa_export(out)  # read back: the same draft vocabulary and logits
+    assert back.config.draft_vocab_size == 12 and back.config.share_lm_head is share
+    assert torch.equal(back(h), heads(h)) and torch.equal(back.d2t, maps[0])
+    found = load_medusa_heads(out, target32)
+    assert torch.equal(found.heads.top_tokens(h, 3), heads.top_tokens(h, 3))
+    for fmt in ("trtllm", "fasterdecoding"):
+        with pytest.raises(ValueError, match="draft_vocab_size 12 of the target's 32 tokens.*"
+                                             "--format vllm-0.32.*draft_vocab_size: null"):
+            export_any(tmp_path / "a", fmt, tmp_path / fmt, base_model="org/tiny",
+                       write_pt=True)
+        assert not (tmp_path / fmt).exists()
+
+
+def test_a_vllm_export_with_full_rows_and_an_unsorted_token_map_reads_back(target32, tmp_path):
+    """vLLM cuts full-vocabulary projections to token_map's rows, in token_map's order; the
+    reader keeps the same tokens and logits with draft ids in ascending target order."""
+    heads = random_heads(target32, num_heads=2)
+    save_medusa(tmp_path / "a", heads, target32)
+    out = export_medusa(tmp_path / "a", "vllm-0.32", tmp_path / "v")
+    token_map = torch.tensor([30, 2, 17, 5, 9, 0, 11, 25])
+    state = load_file(str(out / "model.safetensors"))
+    state["token_map"] = token_map
+    from safetensors.torch import save_file
+    save_file(state, str(out / "model.safetensors"))
+    meta = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**meta, "truncated_vocab_size": 8}))
+    back = load_medusa_export(out)
+    h = torch.randn(5, 64, dtype=torch.float64)
+    for k, x in enumerate(heads.head_states(h)):
+        cut = state[f"lm_heads.{k}.weight"][token_map]  # (8, 64), vLLM's rows
+        full = _vllm_compute_logits(x @ cut.T, token_map, 32)
+        assert torch.equal(back.top_tokens(h, 4)[k], full.topk(4, dim=-1).indices)
+    (out / "config.json").write_text(json.dumps({**meta, "truncated_vocab_size": 8}))
+    del state["token_map"]
+    save_file(state, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match="no token_map"):
+        load_medusa_export(out)
 
 
 # ---------------------------------------------------------------------------------------------

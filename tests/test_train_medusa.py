@@ -30,6 +30,8 @@ from eval.engine import SpeculativeEngine
 from eval.medusa import MedusaProposer
 from eval.sampling import SamplingParams
 from heads.chunked_loss import projected_cross_entropy
+from heads.draft_vocab import build_draft_vocab, check_same_vocabulary
+from heads.export import export
 from heads.medusa import MedusaHeads, export_medusa, load_medusa
 from heads.target import load_target, resolve_target, wrap_target
 from train.config import config_from_dict, config_to_dict, parse_config
@@ -154,6 +156,10 @@ def test_shipped_configs_parse_and_bad_keys_are_refused():
         parse_config(MedusaTrainConfig, ["--medusa2", "--lora_target_modules", "q_proj,lm_head"])
     with pytest.raises(ValueError, match="kl_weight 0 and lm_loss_weight 0"):
         parse_config(MedusaTrainConfig, ["--medusa2", "--kl_weight", "0"])
+    assert parse_config(MedusaTrainConfig, []).draft_vocab_size is None
+    assert parse_config(MedusaTrainConfig, ["--draft_vocab_size", "8192"]).draft_vocab_size == 8192
+    with pytest.raises(ValueError, match="'draft_vocab_size' must be >= 1, got 0"):
+        parse_config(MedusaTrainConfig, ["--draft_vocab_size", "0"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -217,6 +223,55 @@ def test_chunked_loss_equals_medusa_loss_in_value_gradient_and_hits(small, soft,
     hits, totals = rank_hits(head_logits, ids, mask, topk=5)
     assert torch.equal(stats.hits, hits) and torch.equal(stats.counts, totals)
     assert not any(p.requires_grad for p in target.model.parameters())
+
+
+@pytest.mark.parametrize("soft", [False, True])
+@pytest.mark.parametrize("share", [False, True])
+def test_draft_vocab_loss_scores_the_draft_tokens_only(small, soft, share):
+    """Hard labels outside the draft vocabulary are not scored (and never hits); soft labels are
+    the target's distribution over the draft tokens, renormalised, skipping positions whose
+    target argmax has no draft id. Checked against the whole-logits computation."""
+    target, ids, attention, mask = small
+    d2t, t2d = build_draft_vocab(torch.arange(40) % 7, 16)
+    kept = torch.nonzero(t2d).flatten()
+    heads = MedusaHeads.from_target(target, num_heads=3, share_lm_head=share, d2t=d2t, t2d=t2d)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
+    reference = copy.deepcopy(heads)
+    objective = MedusaObjective(heads, target, loss_config(soft_labels=soft, share_lm_head=share,
+                                                           draft_vocab_size=16))
+    logits, (hidden,) = target.features(ids, [target.num_layers], attention)
+    loss, stats = objective(ids, attention, mask, hidden, topk=3)
+    loss.backward()
+
+    head_logits = reference(hidden)  # (K, B, T, 16) over draft ids
+    total, skipped = 0.0, 0
+    for k in range(1, 4):
+        b, t = head_rows(mask, k)
+        logp = head_logits[k - 1, b, t].log_softmax(-1)  # (n, 16)
+        labels = ids[b, t + 1 + k]
+        if soft:
+            teacher = logits[b, t + k]  # (n, 40): the target's distribution of token t+1+k
+            scored = t2d[teacher.argmax(-1)]
+            ce = -(teacher[:, kept].softmax(-1) * logp).sum(-1)
+        else:
+            scored = t2d[labels]
+            ce = -logp.gather(-1, reference.target_to_draft(labels).clamp_min(0)[:, None])[:, 0]
+        mean = ce[scored].sum() / scored.sum()
+        total = total + 0.8 ** k * mean
+        skipped += int((~scored).sum())
+        torch.testing.assert_close(stats.head_loss[k - 1], mean.detach())
+        assert int(stats.scored[k - 1]) == int(scored.sum()) and stats.counts[k - 1] == len(b)
+        guesses = reference.draft_to_target(logp.topk(3, -1).indices)  # target ids
+        hits = (guesses == labels[:, None]) & (scored[:, None] if soft else t2d[labels][:, None])
+        assert torch.equal(stats.hits[k - 1], hits.sum(0))
+    assert skipped > 0, "every position was in the draft vocabulary: a weak test"
+    total.backward()
+    torch.testing.assert_close(loss, total)
+    for (name, p), q in zip(heads.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
 def test_head_rows_score_token_t_plus_1_plus_k():
@@ -423,6 +478,80 @@ def test_resume_continues_exactly(files, medusa1, tmp_path, monkeypatch):
     assert len({r["loss"] for r in expected}) == 4
     a, b = weights_on_disk(result["artifact"]), weights_on_disk(rest["artifact"])
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ------------------------------------------------------------------------------------------------
+# Medusa-1 over a draft vocabulary
+
+DRAFT_KWARGS = dict(draft_vocab_size=8, share_lm_head=True)
+
+
+@pytest.fixture(scope="module")
+def draft_run(files, tmp_path_factory):
+    """4 steps of Medusa-1 over an 8-token draft vocabulary (hard labels), uninterrupted."""
+    out = tmp_path_factory.mktemp("draft")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DRAFTSMITH_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+        patch.setenv("WANDB_MODE", "disabled")
+        result = main(base_config(files, out, **DRAFT_KWARGS))
+    return out, result
+
+
+def test_draft_vocab_run_trains_its_projection_logs_coverage_and_decodes_exactly(
+        files, draft_run, tmp_path):
+    out, result = draft_run
+    logged = records(out)
+    (first,) = [r for r in logged if "draft_vocab/coverage" in r]
+    assert first["step"] == 0 and first["draft_vocab/size"] == 8
+    assert 0.5 < first["draft_vocab/coverage"] < 1  # some assistant tokens are not drafted
+    assert [r["step"] for r in logged if "loss" in r] == [1, 2, 3, 4]
+    config = json.loads((Path(result["artifact"]) / "config.json").read_text())
+    assert config["draft_vocab_size"] == 8 and config["share_lm_head"] is True
+    artifact = weights_on_disk(result["artifact"])
+    assert artifact["lm_head.weight"].shape == (8, 32) and int(artifact["t2d"].sum()) == 8
+    target = result["target"]
+    kept = torch.nonzero(artifact["t2d"]).flatten()
+    start = target.model.get_output_embeddings().weight[kept]
+    assert not torch.equal(artifact["lm_head.weight"], start.to(artifact["lm_head.weight"].dtype))
+    checkpoint = weights_on_disk(out / "checkpoints" / "step_4")
+    assert torch.equal(checkpoint["heads.d2t"], artifact["d2t"])  # the maps travel with it
+    assert len(result["tree_info"]["rank_accuracies"][0]) == 8  # ranks among 8 draft tokens
+
+    verifier = load_target(files["target"])
+    proposer = MedusaProposer.from_artifact(result["artifact"], verifier)
+    prompt = verifier.chat_ids("Count from 3 to 9.")
+    assert greedy(verifier, proposer, prompt) == greedy(verifier, None, prompt)
+    assert set(proposer.propose(prompt, 2).tokens) <= set(kept.tolist())
+
+    served = export(result["artifact"], "vllm-0.32", tmp_path / "vllm")
+    assert torch.equal(load_file(str(served / "model.safetensors"))["token_map"], kept)
+    with pytest.raises(ValueError, match="draft_vocab_size 8 .*draft_vocab_size: null"):
+        export(result["artifact"], "trtllm", tmp_path / "trtllm")
+
+
+def test_draft_vocab_resume_continues_exactly(files, draft_run, tmp_path, monkeypatch):
+    whole, result = draft_run
+    monkeypatch.setattr(loop_module, "GracefulStop", StopAfter)
+    first = main(base_config(files, tmp_path, **DRAFT_KWARGS))
+    assert first["step"] == 2 and first["stopped"]
+    monkeypatch.setattr(loop_module, "GracefulStop", GracefulStop)
+    rest = main(base_config(files, tmp_path, resume="latest", **DRAFT_KWARGS))
+    assert rest["step"] == 4
+    keys = ("loss", "lr", "medusa/head1_loss", "medusa/head2_loss", "medusa/head1_top5")
+    expected = [r for r in records(whole) if "loss" in r]
+    got = [r for r in records(tmp_path) if "loss" in r]
+    for a, b in zip(expected, got, strict=True):
+        assert [a[k] for k in keys] == [b[k] for k in keys], a["step"]
+    a, b = weights_on_disk(result["artifact"]), weights_on_disk(rest["artifact"])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_checkpoint_with_another_draft_vocabulary_is_refused():
+    maps = build_draft_vocab(torch.arange(20) % 5, 6)
+    check_same_vocabulary(maps, tuple(m.clone() for m in maps), "ckpt")
+    other = build_draft_vocab(torch.arange(20) % 7, 6)
+    with pytest.raises(ValueError, match="cannot resume from ckpt: its draft vocabulary .*differs"):
+        check_same_vocabulary(maps, other, "ckpt")
 
 
 def test_regenerated_data_comes_from_the_target(files, tmp_path):

@@ -57,6 +57,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 
 from eval.eagle import DEFAULT_DEPTH, DEFAULT_TOPK, DEFAULT_TREE_NODES, EagleProposer
+from heads import draft_vocab
 from heads.artifact import save_artifact
 from heads.eagle import (
     DEFAULT_CE_WEIGHT,
@@ -65,8 +66,6 @@ from heads.eagle import (
     EagleConfig,
     EagleHead,
     EagleLoss,
-    build_draft_vocab,
-    count_tokens,
     target_features,
 )
 from heads.target import Target, load_target, load_target_parts
@@ -171,16 +170,11 @@ def head_config(cfg: EagleTrainConfig, target: Target) -> EagleConfig:
 
 
 def draft_vocabulary(dataset, config: EagleConfig) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(d2t, t2d, coverage): the draft vocabulary of the training data's assistant tokens.
-
-    A pure function of the data, so every process computes the same maps and a resumed run
-    recomputes them (and checks them against the checkpoint's). ``coverage`` is the fraction of
-    assistant tokens whose target id has a draft id.
-    """
-    counts = count_tokens(dataset["input_ids"], config.vocab_size, dataset["loss_mask"])
-    d2t, t2d = build_draft_vocab(counts, config.draft_vocab_size)
-    coverage = float(counts[t2d].sum()) / max(1, int(counts.sum()))
-    return d2t, t2d, coverage
+    """(d2t, t2d, coverage): the draft vocabulary of the training data's assistant tokens
+    (:func:`heads.draft_vocab.draft_vocabulary`; ``coverage`` is the fraction of assistant tokens
+    whose target id has a draft id)."""
+    return draft_vocab.draft_vocabulary(dataset["input_ids"], dataset["loss_mask"],
+                                        config.vocab_size, config.draft_vocab_size)
 
 
 def check_resumed_vocabulary(head: EagleHead, d2t: torch.Tensor, t2d: torch.Tensor,
@@ -188,12 +182,7 @@ def check_resumed_vocabulary(head: EagleHead, d2t: torch.Tensor, t2d: torch.Tens
     """The checkpoint's maps (loaded into the head) must be the ones this run's data gives."""
     if head.version != 3 or resumed_from is None:
         return
-    if not (torch.equal(head.d2t.cpu(), d2t.cpu()) and torch.equal(head.t2d.cpu(), t2d.cpu())):
-        raise ValueError(
-            f"cannot resume from {resumed_from}: its draft vocabulary (d2t/t2d) differs from the "
-            f"one the training data gives now ({int((head.t2d.cpu() != t2d.cpu()).sum())} target "
-            f"ids differ), so the data changed; resume with the data the run started with, or "
-            f"start a new run in another --output_dir")
+    draft_vocab.check_same_vocabulary((head.d2t, head.t2d), (d2t, t2d), resumed_from)
 
 
 # ------------------------------------------------------------------------------------------------

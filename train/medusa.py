@@ -25,6 +25,19 @@ that the heads learn what the target will actually write.
   logged while training (``lm_kl``, ``lm_agreement``: how often their argmax agree). Evaluate it
   with ``--target <artifact>/target``; loading the artifact against any other target is refused.
 
+Draft vocabulary (``draft_vocab_size: N``, as EAGLE-3 does): the heads guess among the N most
+frequent assistant tokens of the training rows only (chosen exactly as train/eagle.py chooses
+EAGLE-3's, :func:`heads.draft_vocab.draft_vocabulary`), through one trained (N, hidden)
+projection of their own shared by every head (``share_lm_head: true``) or a copy per head,
+initialised from the target's LM-head rows of those tokens; that cuts the vocabulary projection,
+most of a head's cost on a large vocabulary, by V / N per step. Hard labels whose token has no
+draft id are not scored (they still count as misses in the accuracies); soft labels use the
+target's distribution restricted to the draft tokens and renormalised, skipping positions whose
+target argmax has no draft id (EAGLE-3's rule). The draft vocabulary's coverage of the assistant
+tokens is printed and logged at step 0 (``draft_vocab/coverage``). Such heads export to
+``vllm-0.32`` only (its ``token_map``); TensorRT-LLM and FasterDecoding project onto the whole
+vocabulary, so train with ``draft_vocab_size: null`` for them.
+
 Memory: the heads' vocabulary projections are never materialised as (K, batch, seq, vocab)
 logits. Each head's scored positions are projected ``loss_chunk_size`` at a time by
 :func:`projected_cross_entropy`, which computes the gradient in closed form chunk by chunk; the
@@ -71,9 +84,9 @@ from distill.losses import next_token_mask
 from eval.medusa import MedusaProposer
 from heads.artifact import FORMAT_VERSION
 from heads.chunked_loss import projected_cross_entropy
+from heads.draft_vocab import check_same_vocabulary, draft_vocabulary
 from heads.medusa import (
     ADAPTED_TARGET_INFO_KEY,
-    MedusaConfig,
     MedusaHeads,
     accuracy_metrics,
     medusa_param_counts,
@@ -110,6 +123,11 @@ class MedusaTrainConfig(TrainConfig):
         "each (false: 114.6M on smollm2-135m, 2.1B with AdamW state of 34 GB on a 128k-vocabulary "
         "8B target)")
     head_bias: bool = option(True, "the blocks' linear layers have a bias (as in FasterDecoding)")
+    draft_vocab_size: int | None = option(
+        None, "the heads guess among this many target tokens, the most frequent assistant tokens "
+        "of the training data (as EAGLE-3 does), through a trained projection of that size of "
+        "their own (shared by every head with share_lm_head: true); exports to vllm-0.32 only "
+        "(none: the whole vocabulary)")
     loss_decay: float = option(0.8, "head k's loss is weighted loss_decay**k (0 < decay <= 1)")
     soft_labels: bool = option(
         False, "self-distillation: head k at t matches the target's distribution of token t+1+k "
@@ -164,7 +182,7 @@ class MedusaTrainConfig(TrainConfig):
         if self.num_heads < 1:
             raise ValueError(f"config key 'num_heads' (K, the number of Medusa heads) must be "
                              f">= 1, got {self.num_heads}")
-        at_least = {"num_layers": 0, "regenerate_max_new_tokens": 1,
+        at_least = {"num_layers": 0, "draft_vocab_size": 1, "regenerate_max_new_tokens": 1,
                     "regenerate_max_prompts": 1, "regenerate_batch_size": 1, "lora_r": 1,
                     "heldout_max_rows": 1, "heldout_every": 0, "tree_topk": 1,
                     "eval_tree_nodes": 1}
@@ -247,9 +265,12 @@ def target_hidden(target: Target, input_ids: torch.Tensor,
 class StepStats:
     """Detached per-micro-batch quantities for logging (tensors stay on the device)."""
 
-    head_loss: torch.Tensor  # (K,) mean loss of each head over its rows
+    head_loss: torch.Tensor  # (K,) mean loss of each head over its scored rows
     hits: torch.Tensor  # (K, topk) int64
-    counts: torch.Tensor  # (K,) scored positions per head
+    counts: torch.Tensor  # (K,) positions per head (the accuracies' denominators)
+    # (K,) positions whose loss was scored: all of counts without a draft vocabulary; with one,
+    # those whose token (hard labels) or target argmax (soft labels) has a draft id
+    scored: torch.Tensor | None = None
     lm: dict[str, torch.Tensor] = field(default_factory=dict)  # Medusa-2: sums and the count
 
 
@@ -277,8 +298,9 @@ class MedusaObjective(nn.Module):
         self._frozen_keys: frozenset[str] = frozenset()
         if adapted is not None:
             state = self.state_dict(keep_vars=True)
-            self._frozen_keys = frozenset(
-                k for k, v in state.items() if not (isinstance(v, nn.Parameter) and v.requires_grad))
+            self._frozen_keys = frozenset(  # the adapted copy's base weights (not the heads')
+                k for k, v in state.items() if k.startswith("adapted.")
+                and not (isinstance(v, nn.Parameter) and v.requires_grad))
             self.register_state_dict_post_hook(_drop_frozen_keys)
             self.register_load_state_dict_post_hook(_allow_missing_frozen_keys)
 
@@ -318,25 +340,31 @@ class MedusaObjective(nn.Module):
                 input_ids=input_ids, attention_mask=attention_mask,
                 use_cache=False).last_hidden_state  # (B, T, H), through the adapters
         heads_loss = None
-        losses, hits, counts = [], [], []
+        losses, hits, counts, scored = [], [], [], []
+        # a draft vocabulary: the teacher restricted to its tokens (None: the whole vocabulary)
+        columns = self.heads.draft_columns() if self.soft_labels else None
         for k, state in enumerate(self.heads.head_states(hidden), start=1):
             b, t = head_rows(loss_mask, k)
             out = projected_cross_entropy(
-                state[b, t], self.heads.lm_head_weight(k - 1), input_ids[b, t + 1 + k],
+                state[b, t], self.heads.lm_head_weight(k - 1),
+                self.heads.target_to_draft(input_ids[b, t + 1 + k]),  # -1: no draft id
                 teacher_states=teacher_hidden[b, t + k] if self.soft_labels else None,
                 teacher_head=target.lm_head if self.soft_labels else None,
+                teacher_columns=columns,
                 hard_weight=0.0 if self.soft_labels else 1.0,
                 soft_weight=1.0 if self.soft_labels else 0.0,
                 chunk_size=self.chunk_size, topk=topk)
-            mean = out.loss / max(out.count, 1)
+            mean = out.loss / out.scored.clamp_min(1)
             weighted = self.decay ** k * (out.loss if reduction == "sum" else mean)
             heads_loss = weighted if heads_loss is None else heads_loss + weighted
             losses.append(mean.detach())
             hits.append(out.hits)
             counts.append(out.count)
+            scored.append(out.scored)
         loss = self.heads_loss_weight * heads_loss
         stats = StepStats(torch.stack(losses), torch.stack(hits),
-                          torch.tensor(counts, device=hidden.device))
+                          torch.tensor(counts, device=hidden.device),
+                          torch.stack(scored).to(hidden.device))
         if self.adapted is not None:
             loss, stats.lm = self._adapted_lm_loss(loss, hidden, input_ids, loss_mask,
                                                    teacher_hidden, reduction)
@@ -373,12 +401,15 @@ def _allow_missing_frozen_keys(module: MedusaObjective, incompatible) -> None:
     incompatible.missing_keys[:] = kept
 
 
-def build_objective(cfg: MedusaTrainConfig, target: Target) -> MedusaObjective:
-    """Fresh heads (identity blocks, projections from the LM head) and, for Medusa-2, a LoRA
-    copy of the target in its own dtype, with fp32 adapters, in training mode (its activations
-    recomputed in the backward pass with ``gradient_checkpointing``)."""
+def build_objective(cfg: MedusaTrainConfig, target: Target, *, d2t: torch.Tensor | None = None,
+                    t2d: torch.Tensor | None = None) -> MedusaObjective:
+    """Fresh heads (identity blocks, projections from the LM head; over the draft vocabulary
+    ``d2t`` / ``t2d`` when given) and, for Medusa-2, a LoRA copy of the target in its own dtype,
+    with fp32 adapters, in training mode (its activations recomputed in the backward pass with
+    ``gradient_checkpointing``)."""
     heads = MedusaHeads.from_target(target, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
-                                    share_lm_head=cfg.share_lm_head, bias=cfg.head_bias)
+                                    share_lm_head=cfg.share_lm_head, bias=cfg.head_bias,
+                                    d2t=d2t, t2d=t2d)
     adapted = None
     if cfg.medusa2:
         # a separate copy: peft edits the model it wraps, and the original stays the KL reference
@@ -449,7 +480,7 @@ class HeldOutAccuracy(PeriodicEval):
         self.acceptance = acceptance
         self.num_rows = 0 if rows is None else len(rows)
         self.every = (cfg.heldout_every or acceptance.every) if self.num_rows else 0
-        self.topk = min(cfg.tree_topk, target.vocab_size)
+        self.topk = min(cfg.tree_topk, cfg.draft_vocab_size or target.vocab_size)
         self.hits = torch.zeros(cfg.num_heads, self.topk, dtype=torch.long)
         self.totals = torch.zeros(cfg.num_heads, dtype=torch.long)
         self.tree = default_chain(cfg.num_heads)
@@ -471,16 +502,16 @@ class HeldOutAccuracy(PeriodicEval):
 
     def measure(self, module) -> torch.Tensor:
         k = self.cfg.num_heads
-        # float64 sums: hits (K * topk), totals (K), loss sums (K)
-        sums = torch.zeros(k * self.topk + 2 * k, dtype=torch.float64,
+        # float64 sums: hits (K * topk), totals (K), loss sums and scored positions (K each)
+        sums = torch.zeros(k * self.topk + 3 * k, dtype=torch.float64,
                            device=self.accelerator.device)
         for batch in self.batches:
             teacher = target_hidden(self.target, batch["input_ids"], batch["attention_mask"])
             _, stats = module(batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
                               teacher, topk=self.topk)
-            counts = stats.counts.double()
-            sums += torch.cat([stats.hits.double().flatten(), counts,
-                               stats.head_loss.double() * counts])
+            scored = stats.scored.double()
+            sums += torch.cat([stats.hits.double().flatten(), stats.counts.double(),
+                               stats.head_loss.double() * scored, scored])
         return sums
 
     def summarise(self, state: TrainState, sums: list[float]) -> dict | None:
@@ -488,7 +519,8 @@ class HeldOutAccuracy(PeriodicEval):
         sums = torch.tensor(sums, dtype=torch.float64)
         self.hits = sums[: k * topk].reshape(k, topk).round().long()
         self.totals = sums[k * topk: k * topk + k].round().long()
-        losses = (sums[k * topk + k:] / sums[k * topk: k * topk + k].clamp_min(1)).tolist()
+        losses = (sums[k * topk + k: k * topk + 2 * k]
+                  / sums[k * topk + 2 * k:].clamp_min(1)).tolist()
         self.tree = eval_tree(self.cfg, self.hits, self.totals)
         if not int(self.totals.sum()):
             return None
@@ -617,16 +649,35 @@ def build(cfg: MedusaTrainConfig) -> Recipe:
                            partial(collate_causal_lm, pad_token_id=pad_id),
                            lengths=lengths, weights=scored)
 
-    objective = build_objective(cfg, target)  # model: heads (+ the LoRA copy in Medusa-2)
-    counts = medusa_param_counts(MedusaConfig(
-        target.hidden_size, target.vocab_size, cfg.num_heads, cfg.num_layers, cfg.share_lm_head,
-        cfg.head_bias))
+    maps, first = None, None
+    if cfg.draft_vocab_size is not None:  # a pure function of the training rows: every process
+        # and every resumed run computes the same maps (checked against the checkpoint's)
+        if cfg.draft_vocab_size > target.vocab_size:
+            raise ValueError(f"config key 'draft_vocab_size' is {cfg.draft_vocab_size}, more than "
+                             f"the target's {target.vocab_size} tokens; set it lower or null")
+        *maps, coverage = draft_vocabulary(train_rows["input_ids"], train_rows["loss_mask"],
+                                           target.vocab_size, cfg.draft_vocab_size)
+        first = {"draft_vocab/size": cfg.draft_vocab_size, "draft_vocab/coverage": coverage}
+        accelerator.print(
+            f"[draftsmith] draft vocabulary: {cfg.draft_vocab_size} of {target.vocab_size} "
+            f"target tokens, covering {coverage:.2%} of the training rows' assistant tokens"
+            + ("" if cfg.soft_labels else "; positions whose token has none are not scored"))
+    d2t, t2d = maps or (None, None)
+    # model: heads (+ the LoRA copy in Medusa-2)
+    objective = build_objective(cfg, target, d2t=d2t, t2d=t2d)
+    counts = medusa_param_counts(objective.heads.config)
     trainable = sum(p.numel() for p in objective.parameters() if p.requires_grad)
+    if objective.heads.config.reads_target_lm_head:
+        projection = "the target's LM head, shared"
+    elif cfg.share_lm_head:
+        projection = f"one {cfg.draft_vocab_size}-token projection of their own, shared"
+    else:
+        projection = (f"a {objective.heads.config.head_vocab_size}-token projection each "
+                      f"({counts['lm_head_copies']:,} parameters)")
     accelerator.print(
         f"[draftsmith] {'Medusa-2' if cfg.medusa2 else 'Medusa-1'}: {cfg.num_heads} heads, "
-        f"{counts['blocks']:,} block parameters + "
-        f"{'the shared LM head' if cfg.share_lm_head else 'an LM head copy each'} "
-        f"({counts['lm_head_copies']:,} as copies); {trainable:,} parameters trained")
+        f"{counts['blocks']:,} block parameters + {projection}; {trainable:,} parameters "
+        f"trained")
     verifier = objective.verifier()
 
     def step(model, batch: dict, micro_index: int) -> StepOutput:
@@ -640,9 +691,14 @@ def build(cfg: MedusaTrainConfig) -> Recipe:
         lambda module: MedusaProposer(verifier, module.heads, heldout.tree))
     acceptance.at_end = False  # the end is measured below, with the artifact's tree
     heldout = HeldOutAccuracy(accelerator, cfg, target, heldout_rows, pad_id, acceptance)
+    def check_vocabulary(state, module) -> None:
+        if maps:
+            check_same_vocabulary((module.heads.d2t, module.heads.t2d), maps, state.resumed_from)
+
     return Recipe(cfg, accelerator, target, batches, objective, step,
                   export=partial(export, cfg, accelerator, target, heldout, acceptance, verifier),
-                  evaluators=[heldout, acceptance])
+                  evaluators=[heldout, acceptance], first_record=first,
+                  on_resume=check_vocabulary)
 
 
 def export(cfg: MedusaTrainConfig, accelerator, target: Target, heldout: HeldOutAccuracy,
@@ -695,9 +751,13 @@ def export(cfg: MedusaTrainConfig, accelerator, target: Target, heldout: HeldOut
                 f"{_fmt(record.get('final/tau'))}\n"
                 f"  measure: python -m eval.bench --target {bench_target} --method plain "
                 f"--method medusa:{artifact} --prompts {cfg.eval_prompts}\n"
-                f"  export:  python -m heads.export {artifact} --format trtllm --out "
-                f"{Path(cfg.output_dir) / 'trtllm'}   (or fasterdecoding --write-pt, "
-                f"vllm-0.32)")
+                + (f"  export:  python -m heads.export {artifact} --format vllm-0.32 --out "
+                   f"{Path(cfg.output_dir) / 'vllm-0.32'}   (a draft vocabulary: TensorRT-LLM "
+                   f"and FasterDecoding need draft_vocab_size: null)"
+                   if cfg.draft_vocab_size is not None else
+                   f"  export:  python -m heads.export {artifact} --format trtllm --out "
+                   f"{Path(cfg.output_dir) / 'trtllm'}   (or fasterdecoding --write-pt, "
+                   f"vllm-0.32)"))
             if cfg.medusa2:
                 accelerator.print(
                     f"  Medusa-2: the heads are verified against the adapted target in "
