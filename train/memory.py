@@ -178,8 +178,12 @@ def estimate(trainer: str, cfg, target: Shape, *, device: str = "cpu", processes
             _loss_chunk(cfg, n, draft_vocab)
     elif trainer == "medusa":
         k = cfg.num_heads
+        draft_vocab = getattr(cfg, "draft_vocab_size", None)
+        vocab = draft_vocab or target.vocab  # what the heads' logits range over
         trained = k * cfg.num_layers * (h * h + h)
-        if not cfg.share_lm_head:
+        if draft_vocab:  # a trained projection onto the draft tokens, shared or one per head
+            trained += (1 if cfg.share_lm_head else k) * draft_vocab * h
+        elif not cfg.share_lm_head:
             trained += k * target.vocab * h
         kept = k * cfg.num_layers * 4 * h * act
         if cfg.medusa2:  # backpropagation through the adapted target
@@ -191,8 +195,8 @@ def estimate(trainer: str, cfg, target: Shape, *, device: str = "cpu", processes
             _optimizer_bytes(trained, processes)
         est.parts[f"activations ({k} heads{', adapted target' if cfg.medusa2 else ''})"] = kept * n
         est.parts["target forward"] = (0 if cfg.medusa2 else target_fwd) + h * act * n
-        est.parts[f"loss chunk ({min(cfg.loss_chunk_size, n)} x {target.vocab})"] = \
-            _loss_chunk(cfg, n, target.vocab)
+        est.parts[f"loss chunk ({min(cfg.loss_chunk_size, n)} x {vocab})"] = \
+            _loss_chunk(cfg, n, vocab)
     elif trainer == "distill":
         d = draft or target
         layers = d.layers
