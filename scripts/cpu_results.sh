@@ -2,6 +2,7 @@
 # How the README's trained-draft results were made on the 2-core CPU machine, stage by stage.
 #
 #   scripts/cpu_results.sh STAGE        STAGE: prompts | regenerate | eagle | medusa | distill | bench
+#                                              | shipped-eagle3 | shipped-bench
 #
 # Each stage is what was run, with its wall-clock on 2 cores noted beside it; the README quotes
 # the figures. Outputs go under runs/ (training) and reports/ (benchmark JSON). Every training
@@ -66,6 +67,21 @@ distill)  # truncate:6 distilled off-policy (JSD) on the answers, 200 steps, 2 t
     --on_policy_ratio 0 --learning_rate 3e-4 --warmup_steps 10 --max_steps 200 \
     --save_every 50 --log_every 5 --heldout_every 50 --heldout_max_rows 16 --eval_every 200 \
     --eval_prompts "$HELDOUT" --eval_num_prompts 2 --eval_max_new_tokens 32 --report_to none
+  ;;
+shipped-eagle3)  # artifacts/smollm2-135m/eagle3: 450 steps of 2048-token batches on the shipped
+  # self-distilled answers (833k real tokens, 1.7 epochs), 4 test-time steps: 58 min, ~250 tokens/s
+  "$PYTHON" train/eagle.py --config configs/eagle/smollm2-135m.yaml --output_dir runs/ship/eagle3 \
+    --resume latest --max_length 512 --max_tokens_per_batch 2048 --ttt_steps 4 \
+    --learning_rate 5e-4 --warmup_steps 20 --max_steps 450 --num_epochs none \
+    --save_every 50 --log_every 10 --eval_every 0 --report_to none
+  "$PYTHON" -m heads.artifact cast runs/ship/eagle3/artifact artifacts/smollm2-135m/eagle3 \
+    --dtype bf16 --overwrite
+  ;;
+shipped-bench)  # the shipped head on the 80 MT-bench first turns; tree tuned on 4 Vicuna-bench prompts
+  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf --method hf-pld \
+    --method eagle:artifacts/smollm2-135m/eagle3 --tree-depth 2 --tree-topk 3 --tree-nodes 4 \
+    --draft-dtype bf16 --prompts data/eval/mt_bench_question.jsonl --num-prompts 80 \
+    --max-new-tokens 128 --temperature 0 --out reports/shipped_eagle3_t0.json
   ;;
 bench)  # MT-bench first turns, 128 tokens; tree settings tuned on 4 Vicuna-bench prompts
   # heads, temperature 0, 80 prompts: ~40 min

@@ -54,3 +54,17 @@ def test_sampling_runs_and_is_reproducible(smollm2, prompt_ids):
     a = engine.generate(prompt_ids[0], 24, params, DraftModelProposer(draft, max_depth=4), seed=3)
     b = engine.generate(prompt_ids[0], 24, params, DraftModelProposer(draft, max_depth=4), seed=3)
     assert a.tokens == b.tokens and len(a.tokens) == 24 and a.alpha is not None
+
+
+def test_the_shipped_eagle_head_loads_for_the_embedded_target_and_stays_exact(smollm2, prompt_ids):
+    from eval.eagle import EagleProposer
+
+    shipped = Path(__file__).resolve().parents[1] / "artifacts" / "smollm2-135m" / "eagle3"
+    proposer = EagleProposer.from_artifact(shipped, smollm2, depth=2, topk=3, tree_nodes=4,
+                                           dtype=torch.bfloat16)  # its fingerprint is checked
+    ids = prompt_ids[0]
+    engine = SpeculativeEngine(smollm2)
+    plain = engine.generate(ids, 32)
+    drafted = engine.generate(ids, 32, proposer=proposer)
+    assert drafted.tokens == plain.tokens
+    assert drafted.tau > 1.1  # a trained head (an untrained one stays near 1.0)
