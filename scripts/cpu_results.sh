@@ -81,7 +81,7 @@ shipped-bench)  # the shipped head on the 80 MT-bench first turns; tree tuned on
   "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf --method hf-pld \
     --method eagle:artifacts/smollm2-135m/eagle3 --tree-depth 2 --tree-topk 3 --tree-nodes 4 \
     --draft-dtype bf16 --prompts data/eval/mt_bench_question.jsonl --num-prompts 80 \
-    --max-new-tokens 128 --temperature 0 --out reports/shipped_eagle3_t0.json
+    --max-new-tokens 64 --temperature 0 --out reports/shipped_eagle3_t0.json
   ;;
 bench)  # MT-bench first turns, 128 tokens; tree settings tuned on 4 Vicuna-bench prompts
   # heads, temperature 0, 80 prompts: ~40 min
