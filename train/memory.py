@@ -297,6 +297,7 @@ def main(argv: list[str] | None = None) -> Estimate:
     """``python -m train.memory --config CONFIG [--device cuda] [--processes 8] [--key value]``:
     the estimate a run would be checked against, without loading anything but config.json."""
     import argparse
+    import importlib
 
     from train.config import parse_config
     from train.speed import _CONFIG_CLASSES, trainer_of
@@ -308,7 +309,7 @@ def main(argv: list[str] | None = None) -> Estimate:
     parser.add_argument("--processes", type=int, default=1)
     args, rest = parser.parse_known_args(argv)
     trainer = trainer_of(args.config, args.trainer)
-    module = __import__(f"train.{trainer}", fromlist=["build"])
+    module = importlib.import_module(f"train.{trainer}")
     cfg = parse_config(getattr(module, _CONFIG_CLASSES[trainer]), ["--config", args.config, *rest])
     est = estimate_run(trainer, cfg, args.device, args.processes)
     print(f"{trainer}: one step over {est.tokens} tokens per micro-batch, {args.processes} "
