@@ -40,9 +40,10 @@ Heads over a draft vocabulary export to ``vllm-0.32`` only, exactly: vLLM's ``Me
 ``truncated_vocab_size`` (= N) and a ``token_map`` tensor (int64 [N], the target id of every
 draft id) and scatters each head's N logits into the full vocabulary with -inf elsewhere.
 TensorRT-LLM and FasterDecoding project onto the full vocabulary with a bias-free matrix and
-have no token map; no choice of rows for the other tokens keeps them from outranking the draft
-tokens for every hidden state (a zero row scores 0, which beats any negative draft logit), so
-those exports are refused (train with ``draft_vocab_size: null`` for them).
+have no token map, and rows for the other tokens cannot keep them out of every head's top k for
+every hidden state: a zero row scores 0, above any negative draft logit, and a row inside the
+draft rows' convex hull stays below the best draft logit but not below the k-th. Those exports
+are refused (train with ``draft_vocab_size: null`` for them).
 
 The tree itself (its form, how it is built and sized) is heads/medusa_tree.py.
 """

@@ -270,7 +270,7 @@ class StepStats:
     counts: torch.Tensor  # (K,) positions per head (the accuracies' denominators)
     # (K,) positions whose loss was scored: all of counts without a draft vocabulary; with one,
     # those whose token (hard labels) or target argmax (soft labels) has a draft id
-    scored: torch.Tensor | None = None
+    scored: torch.Tensor
     lm: dict[str, torch.Tensor] = field(default_factory=dict)  # Medusa-2: sums and the count
 
 
@@ -691,6 +691,7 @@ def build(cfg: MedusaTrainConfig) -> Recipe:
         lambda module: MedusaProposer(verifier, module.heads, heldout.tree))
     acceptance.at_end = False  # the end is measured below, with the artifact's tree
     heldout = HeldOutAccuracy(accelerator, cfg, target, heldout_rows, pad_id, acceptance)
+
     def check_vocabulary(state, module) -> None:
         if maps:
             check_same_vocabulary((module.heads.d2t, module.heads.t2d), maps, state.resumed_from)
