@@ -33,6 +33,7 @@ import platform
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -62,10 +63,19 @@ from eval.summary import (
     greedy_verdict,
     summarise,
 )
+from eval.tree_auto import (
+    CALIBRATION_NEW_TOKENS,
+    CALIBRATION_NUM_PROMPTS,
+    DEFAULT_CALIBRATION_PROMPTS,
+    auto_eagle_tree,
+    auto_medusa_tree,
+)
 from heads.medusa_tree import AUTO
 from heads.target import Target, dtype_name, load_target, parse_dtype
 
 FIXED_METHODS = ("plain", "hf", "pld", "hf-pld")
+TREE_AUTO, TREE_FIXED = "auto", "fixed"
+TREE_MODES = (TREE_AUTO, TREE_FIXED)
 PREFIX_METHODS = ("draft:", "hf-assisted:", "eagle:", "medusa:")
 TYPICAL_PREFIX = "typical:"
 
@@ -87,9 +97,11 @@ class Method:
 
 
 class EngineMethod(Method):
-    def __init__(self, name: str, engine: SpeculativeEngine, proposer: Proposer | None):
+    def __init__(self, name: str, engine: SpeculativeEngine, proposer: Proposer | None,
+                 tree: dict | None = None):
         self.name, self.engine, self.proposer = name, engine, proposer
         self.exact = getattr(proposer, "exact", True)
+        self.tree = tree  # how --tree auto chose the proposer's tree, for the report
 
     def run(self, prompt_ids, max_new_tokens, params, seed):
         g = self.engine.generate(prompt_ids, max_new_tokens, params, self.proposer, seed=seed)
@@ -286,6 +298,10 @@ def options_from_args(args: argparse.Namespace, kind: str) -> dict:
     return options
 
 
+def _cap(tree_nodes):
+    return None if tree_nodes in (None, AUTO) else tree_nodes
+
+
 def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
@@ -294,19 +310,34 @@ def build_methods(specs: list[str], target: Target, *, pld_options: dict | None 
                   draft_options: dict | None = None, eagle_options: dict | None = None,
                   medusa_options: dict | None = None,
                   draft_dtype: torch.dtype | None = None,
-                  allow_other_weights: bool = False) -> list[Method]:
+                  allow_other_weights: bool = False, tree: str = TREE_FIXED,
+                  tree_calibration: dict | None = None) -> list[Method]:
     """Method names -> runnable methods (drafts loaded once and shared).
 
     ``*_options``: keyword options of that kind's proposer (NgramProposer, DraftModelProposer,
     EagleProposer.from_artifact, MedusaProposer.from_artifact); ``draft_dtype``: the precision
     of draft LMs and EAGLE heads (None: the target's); ``allow_other_weights``: heads trained
     for a target of the same shapes but other weights are accepted (otherwise refused).
+    ``tree="auto"``: EAGLE and Medusa trees are chosen by expected tokens/s on this machine
+    (eval.tree_auto); their depth / topk / tree_nodes options then cap the search.
+    ``tree_calibration``: keyword options of the acceptance measurement (calibration_prompts,
+    num_prompts, max_new_tokens) for artifacts that have none.
     """
+    if tree not in TREE_MODES:
+        raise ValueError(f"tree must be one of {', '.join(TREE_MODES)}, got {tree!r}")
     pld_options, draft_options = dict(pld_options or {}), dict(draft_options or {})
     eagle_options, medusa_options = dict(eagle_options or {}), dict(medusa_options or {})
-    if eagle_options.get("tree_nodes") == AUTO:
-        raise ValueError("tree_nodes 'auto' (--tree-nodes auto) sizes Medusa trees only; give "
-                         "EAGLE trees a node count")
+    calibration = dict(tree_calibration or {})
+    if tree == TREE_FIXED and eagle_options.get("tree_nodes") == AUTO:
+        raise ValueError("EAGLE trees take a node count; --tree auto (the command line's "
+                         "default) chooses their depth, topk and nodes by measured cost")
+    if tree == TREE_AUTO:  # the options cap the search
+        eagle_caps = {"max_depth": eagle_options.pop("depth", None),
+                      "max_topk": eagle_options.pop("topk", None),
+                      "max_nodes": _cap(eagle_options.pop("tree_nodes", None))}
+        medusa_caps = {"max_depth": medusa_options.pop("max_depth", None),
+                       "max_topk": medusa_options.pop("max_topk", None),
+                       "max_nodes": _cap(medusa_options.pop("tree_nodes", None))}
     engine = SpeculativeEngine(target)
     drafts: dict[str, torch.nn.Module] = {}
 
@@ -333,10 +364,15 @@ def build_methods(specs: list[str], target: Target, *, pld_options: dict | None 
         elif spec.startswith("hf-assisted:"):
             methods.append(HFMethod(spec, target, assistant_model=draft(spec[len("hf-assisted:"):])))
         elif spec.startswith("eagle:"):
-            proposer = EagleProposer.from_artifact(spec[len("eagle:"):], target, dtype=draft_dtype,
+            path = spec[len("eagle:"):]
+            proposer = EagleProposer.from_artifact(path, target, dtype=draft_dtype,
                                                    name=spec, allow_other_weights=allow_other_weights,
                                                    **eagle_options)
-            methods.append(EngineMethod(spec, engine, proposer))
+            chosen = None
+            if tree == TREE_AUTO:
+                chosen = auto_eagle_tree(proposer, path, target, draft_dtype=draft_dtype,
+                                         **eagle_caps, **calibration)
+            methods.append(EngineMethod(spec, engine, proposer, chosen))
         elif spec.startswith("medusa:"):
             path = spec[len("medusa:"):]
             typical = path.startswith(TYPICAL_PREFIX)
@@ -348,7 +384,13 @@ def build_methods(specs: list[str], target: Target, *, pld_options: dict | None 
             proposer = MedusaProposer.from_artifact(
                 path[len(TYPICAL_PREFIX):] if typical else path, target, typical=typical,
                 name=spec, allow_other_weights=allow_other_weights, **medusa_options)
-            methods.append(EngineMethod(spec, engine, proposer))
+            chosen = None
+            if tree == TREE_AUTO:
+                paths, chosen = auto_medusa_tree(
+                    path[len(TYPICAL_PREFIX):] if typical else path, target, proposer.heads,
+                    proposer.tree_info, **medusa_caps, **calibration)
+                proposer.set_tree(paths)
+            methods.append(EngineMethod(spec, engine, proposer, chosen))
         else:
             raise ValueError(
                 f"unknown method {spec!r}; use one of plain, hf, pld, hf-pld, "
@@ -478,6 +520,19 @@ def build_parser() -> argparse.ArgumentParser:
         text = " ".join(f.help for f in group if f.help)
         p.add_argument(flag, type=group[0].parse, default=None, dest=_dest(flag),
                        help=f"{text} (default: {defaults})")
+    p.add_argument("--tree", choices=TREE_MODES, default=TREE_AUTO,
+                   help="auto: EAGLE and Medusa trees (depth, topk, nodes) chosen for the most "
+                        "expected tokens/s from this machine's measured costs and the head's "
+                        "measured acceptance, kept in <artifact>/tree_calibration.json; "
+                        "--tree-depth/--tree-topk/--tree-nodes then cap the search. fixed: those "
+                        "flags (or their defaults) as given (default: auto)")
+    p.add_argument("--tree-calibration-prompts", default=str(DEFAULT_CALIBRATION_PROMPTS),
+                   help="held-out questions on which --tree auto measures a head's acceptance "
+                        "when its artifact has none (default: the Vicuna-bench questions)")
+    p.add_argument("--tree-calibration-num-prompts", type=_int_at_least(1),
+                   default=CALIBRATION_NUM_PROMPTS,
+                   help=f"how many of them (default {CALIBRATION_NUM_PROMPTS}, "
+                        f"{CALIBRATION_NEW_TOKENS} tokens each)")
     p.add_argument("--allow-other-weights", action="store_true",
                    help="accept heads trained for a target of the same shapes but other weights "
                         "(refused by default: both weight fingerprints are named)")
@@ -524,13 +579,25 @@ def main(argv=None) -> list[dict]:
     if "hf" not in specs:
         print("[bench] adding `hf`: speedup is measured against it in the same run", file=sys.stderr)
         specs.insert(0, "hf")
+    uses_trees = any(s.startswith(("eagle:", "medusa:")) for s in specs)
+    if args.tree == TREE_AUTO and uses_trees and (
+            Path(args.tree_calibration_prompts).resolve() == Path(args.prompts).resolve()):
+        print("[bench] warning: --tree auto measures acceptance on the prompts being "
+              "benchmarked (--tree-calibration-prompts is --prompts): the tree is tuned on the "
+              "test set", file=sys.stderr)
     methods = build_methods(specs, target, draft_dtype=args.draft_dtype,
-                            allow_other_weights=args.allow_other_weights,
+                            allow_other_weights=args.allow_other_weights, tree=args.tree,
+                            tree_calibration={
+                                "calibration_prompts": args.tree_calibration_prompts,
+                                "num_prompts": args.tree_calibration_num_prompts},
                             **{f"{kind}_options": options_from_args(args, kind) for kind in OWNERS})
     runs = run_benchmark(methods, prompts, max_new_tokens=args.max_new_tokens, params=args.params,
                          seed=args.seed, warmup=args.warmup, repeats=args.repeats,
                          progress=not args.no_progress)
     summary = summarise(runs, prompt_set.prompts, args.params.greedy)
+    for method, record in zip(methods, summary["methods"]):
+        if getattr(method, "tree", None):
+            record["tree"] = method.tree
     if args.params.greedy:
         explain_differences(methods, summary["methods"], prompts, args.max_new_tokens,
                             args.params, target.dtype)
@@ -553,6 +620,7 @@ def main(argv=None) -> list[dict]:
         "attn_implementation": getattr(target.config, "_attn_implementation", None),
         "draft_dtype": None if args.draft_dtype is None else dtype_name(args.draft_dtype),
         "method_options": {kind: options_from_args(args, kind) for kind in OWNERS},
+        "tree": args.tree,
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "transformers": transformers.__version__,
         "machine": platform.machine(), "python": platform.python_version(),
@@ -653,8 +721,23 @@ def format_categories(categories: list[dict]) -> str:
     return "per category: speedup over hf (tau); prompts per category in brackets\n" + "\n".join(lines)
 
 
+def format_trees(records: list[dict]) -> str:
+    """The trees --tree auto chose, expected beside measured."""
+    lines = []
+    for r in records:
+        t = r.get("tree")
+        if not t:
+            continue
+        lines.append(
+            f"  {r['method']}: depth {t['depth']}, topk {t['topk']}, {t['tree_nodes']} nodes; "
+            f"tau expected {t['expected_tau']:.2f} / measured {_cell(r.get('tau'), 2)}; "
+            f"tokens/s expected {t['expected_tokens_per_s']:.2f} (forward passes only) / "
+            f"measured {_cell(r.get('tokens_per_s'), 2)}")
+    return "trees chosen by --tree auto:\n" + "\n".join(lines) if lines else ""
+
+
 def format_report(report: dict) -> str:
-    parts = [format_table(report["methods"])]
+    parts = [format_table(report["methods"]), format_trees(report["methods"])]
     if report.get("categories"):
         parts.append(format_categories(report["categories"]))
     parts.append(report.get("greedy_summary", ""))

@@ -80,15 +80,21 @@ class MedusaProposer(Proposer):
                 f"target {target.name!r} (hidden {target.hidden_size}, vocab {target.vocab_size})"
             )
         self.heads = heads.eval()
-        self.tree = MedusaTree(tree, heads.num_heads)
-        if self.tree.topk > cfg.head_vocab_size:
-            raise ValueError(f"the tree uses rank {self.tree.topk - 1} but the heads guess among "
-                             f"{cfg.head_vocab_size} tokens")
+        self.set_tree(tree)
         # transformers' numbering: index L is the final-normed last layer, what the LM head reads
         self.hidden_layers = (target.num_layers,)
         if name is not None:
             self.name = name
         self.h: torch.Tensor | None = None
+        self.tree_info: dict = {}
+
+    def set_tree(self, tree) -> None:
+        """Draft this static tree (rank paths) from now on."""
+        checked = MedusaTree(tree, self.heads.num_heads)
+        if checked.topk > self.heads.config.head_vocab_size:
+            raise ValueError(f"the tree uses rank {checked.topk - 1} but the heads guess among "
+                             f"{self.heads.config.head_vocab_size} tokens")
+        self.tree = checked
 
     @classmethod
     def from_artifact(cls, path: str | os.PathLike, target: Target, *,
@@ -132,10 +138,13 @@ class MedusaProposer(Proposer):
             else:
                 tree = prune_tree(tree, heads.num_heads, max_depth, max_topk)
         if typical:
-            return TypicalMedusaProposer(target, heads, tree, name=name,
-                                         posterior_threshold=posterior_threshold,
-                                         posterior_alpha=posterior_alpha)
-        return cls(target, heads, tree, name=name)
+            proposer = TypicalMedusaProposer(target, heads, tree, name=name,
+                                             posterior_threshold=posterior_threshold,
+                                             posterior_alpha=posterior_alpha)
+        else:
+            proposer = cls(target, heads, tree, name=name)
+        proposer.tree_info = artifact.tree_info  # how the stored tree was chosen (--tree auto)
+        return proposer
 
     def start(self, prompt_ids, hidden, params: SamplingParams, generator) -> None:
         super().start(prompt_ids, hidden, params, generator)

@@ -1,0 +1,579 @@
+"""``--tree auto``: the draft tree that maximises expected tokens per second on this machine.
+
+Speculative decoding pays when ``tau`` (tokens per target pass) grows faster than the round's
+cost. Both sides are measured:
+
+* **Acceptance** (machine-independent, per artifact): ``rank_accuracies[d][r]``, the chance that
+  the target's token at depth d+1 is the head's rank-r guess there, given the path above it was
+  right. Medusa artifacts store theirs from training (held-out rows). For EAGLE heads it is
+  measured here (:func:`eagle_rank_accuracies`) on the target's own greedy continuations of a few
+  held-out prompts: the head drafts along the true continuation (its own features, the true
+  tokens: exactly what it sees on an accepted path) for ``depth`` steps at every position.
+* **Cost** (per machine): the target's verification forward over 1 + n tokens
+  (:func:`heads.medusa_tree.measure_verify_cost`, n = 0 being plain decoding) and the draft's cost
+  per round: for EAGLE, catching up on the accepted tokens plus an EAGLE-2 tree of each depth and
+  branching (:func:`measure_eagle_draft_cost`); for Medusa, the heads' proposal.
+
+:func:`choose_eagle_tree` then tries every depth d and branching k, grows the best static tree of
+n nodes from the accuracies (Medusa's greedy construction, as Sequoia and EAGLE-2's node budget
+do), and keeps the (d, k, n) with the highest ``expected_tau * plain_cost / round_cost``. The
+dynamic EAGLE-2 tree with the same (d, k, n) re-ranks its nodes by the head's own confidence each
+round, so it usually does a little better than the static estimate.
+
+Both measurements are kept in ``<artifact>/tree_calibration.json`` (:class:`Calibration`): the
+acceptance under the artifact's weights digest (remeasured when the weights change), the costs
+under a machine key (device and its model, threads, torch version, target shape and both
+precisions). A calibration made on another machine is never used: this machine's costs are
+measured and added beside it; nothing in the file is overwritten but this machine's own entry.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from eval.kv import crop
+from heads.medusa_tree import _interpolate, _sync, grow_medusa_tree, measure_verify_cost, rank_table
+from heads.target import Target, dtype_name
+
+CALIBRATION_FILE = "tree_calibration.json"
+CALIBRATION_FORMAT = "draftsmith-tree-calibration"
+CALIBRATION_VERSION = 1
+# verification sizes timed (1 = plain decoding); small ones densely, where CPU optima lie
+VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
+MAX_DEPTH, MAX_TOPK, MAX_NODES = 6, 8, 63  # the search's bounds unless the user caps them
+TOPK_CHOICES = (1, 2, 3, 4, 6, 8)
+RANKS_MEASURED = 10  # ranks whose acceptance is measured
+DEFAULT_CALIBRATION_PROMPTS = Path(__file__).resolve().parents[1] / "data/eval/vicuna_bench_question.jsonl"
+CALIBRATION_NUM_PROMPTS = 8
+CALIBRATION_NEW_TOKENS = 64
+COST_CONTEXT = 128  # tokens already cached when a verification or a draft round is timed
+
+
+def log(message: str) -> None:
+    print(f"[tree auto] {message}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# where and on what the costs were measured
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_description(target: Target, draft_dtype: torch.dtype | None) -> dict:
+    """What the measured costs depend on: device, its model, threads, software, shapes, precisions."""
+    device = target.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model()
+    cfg = target.config
+    return {
+        "device": device.type,
+        "device_name": name,
+        "threads": torch.get_num_threads() if device.type == "cpu" else None,
+        "torch": torch.__version__,
+        "platform": platform.machine(),
+        "target_shape": f"{cfg.model_type} layers={target.num_layers} hidden={target.hidden_size} "
+                        f"vocab={target.vocab_size}",
+        "attn_implementation": getattr(cfg, "_attn_implementation", None),
+        "target_dtype": dtype_name(target.dtype),
+        "draft_dtype": dtype_name(draft_dtype or target.dtype),
+    }
+
+
+def machine_key(description: dict) -> str:
+    text = json.dumps(description, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def weights_digest(artifact: str | os.PathLike) -> str:
+    """sha256 over the artifact's own weight files (``*.safetensors`` at its top level)."""
+    files = sorted(Path(artifact).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{artifact} holds no *.safetensors weights")
+    h = hashlib.sha256()
+    for path in files:
+        h.update(path.name.encode())
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# the stored calibration
+
+
+@dataclass
+class Calibration:
+    """``<artifact>/tree_calibration.json``: acceptance per weights digest, costs per machine."""
+
+    path: Path
+    acceptance: dict = field(default_factory=dict)  # weights digest -> {rank_accuracies, ...}
+    machines: dict = field(default_factory=dict)  # machine key -> {machine, verify_seconds, ...}
+
+    @classmethod
+    def load(cls, artifact: str | os.PathLike) -> Calibration:
+        path = Path(artifact) / CALIBRATION_FILE
+        if not path.exists():
+            return cls(path)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path} is not a readable tree calibration ({err}); move it away "
+                             "and it is measured again") from err
+        if data.get("format") != CALIBRATION_FORMAT:
+            raise ValueError(f"{path} is not a {CALIBRATION_FORMAT} file (format "
+                             f"{data.get('format')!r})")
+        if data.get("version") != CALIBRATION_VERSION:
+            raise ValueError(f"{path} has version {data.get('version')}; this draftsmith reads "
+                             f"version {CALIBRATION_VERSION}")
+        return cls(path, dict(data.get("acceptance") or {}), dict(data.get("machines") or {}))
+
+    def save(self) -> bool:
+        """Write atomically; False (and a warning) where the artifact's folder is read-only."""
+        data = {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION,
+                "acceptance": self.acceptance, "machines": self.machines}
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(data, indent=1) + "\n")
+            os.replace(tmp, self.path)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            log(f"could not store the calibration in {self.path} ({err}); it is measured again "
+                "next time")
+            return False
+        return True
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+# ---------------------------------------------------------------------------------------------
+# acceptance of an EAGLE head
+
+
+def _rank_of(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """(N, V) logits and (N,) indices (-1: no row) -> the rank of each index (-1 where none)."""
+    safe = index.clamp_min(0)
+    own = logits.gather(1, safe[:, None])
+    rank = (logits > own).sum(-1)
+    return torch.where(index >= 0, rank, torch.full_like(rank, -1))
+
+
+@torch.no_grad()
+def eagle_rank_accuracies(head, target: Target, prompts: list[list[int]], *,
+                          max_new_tokens: int = CALIBRATION_NEW_TOKENS, depth: int = MAX_DEPTH,
+                          ranks: int = RANKS_MEASURED) -> dict:
+    """Per-depth, per-rank acceptance of an EAGLE head on the target's greedy continuations.
+
+    For each prompt the target writes its greedy continuation; the head then runs ``depth``
+    test-time steps over the whole sequence at once (step i: the true tokens, its own step i-1
+    features), and at every anchor after the prompt the rank of the true token in its
+    distribution is counted. Depth d+1 is counted only where depths 1..d ranked within
+    ``ranks`` (the path could have been in a tree). Returns {"rank_accuracies": (depth, ranks),
+    "positions": anchors per depth, "tokens": continuation tokens}.
+    """
+    from eval.engine import SpeculativeEngine
+    from heads.draft_vocab import target_to_draft
+
+    engine = SpeculativeEngine(target)
+    hits = torch.zeros(depth, ranks, dtype=torch.float64)
+    totals = torch.zeros(depth, dtype=torch.float64)
+    generated = 0
+    layers = tuple(head.config.aux_layer_ids)
+    for prompt in prompts:
+        tokens = engine.generate(prompt, max_new_tokens).tokens
+        generated += len(tokens)
+        seq = list(prompt) + tokens
+        S, P = len(seq), len(prompt)
+        if S - P < 2:
+            continue
+        ids = torch.tensor([seq], device=target.device)
+        out = target.model(input_ids=ids, output_hidden_states=True, use_cache=False,
+                           logits_to_keep=1)
+        hidden = head.fuse(torch.cat([out.hidden_states[i] for i in layers], dim=-1)[:, :-1])
+        n = S - 1  # anchors t = 0..S-2: entry (feature f_t, token x_{t+1})
+        inputs = ids[:, 1:]
+        anchors = torch.arange(n, device=head.device)[None]
+        alive = torch.zeros(n, dtype=torch.bool)
+        alive[P - 1:] = True  # anchors from the last prompt position on, as when decoding
+        past = []
+        for i in range(depth):
+            step_ids = torch.cat([inputs[:, i:], inputs.new_zeros(1, i)], dim=1)
+            hidden, kv = head.ttt_step(step_ids, hidden, anchors + i, past)
+            past.append(kv)
+            # step i at anchor t guesses x_{t+2+i}
+            valid = torch.arange(n) + 2 + i < S
+            use = alive & valid
+            if not bool(use.any()):
+                break
+            rows = use.nonzero().squeeze(1)
+            states = head.logit_states(hidden[0, rows.to(head.device)])
+            logits = (states @ head.logit_weight.T.to(states.dtype)).float()
+            truth = torch.tensor(seq, device=head.device)[rows.to(head.device) + 2 + i]
+            if head.version == 3 and head.config.draft_vocab_size < head.config.vocab_size:
+                truth = target_to_draft(head.t2d, truth)
+            rank = _rank_of(logits, truth).cpu()
+            totals[i] += len(rows)
+            within = (rank >= 0) & (rank < ranks)
+            hits[i] += torch.bincount(rank[within], minlength=ranks)[:ranks].double()
+            keep = torch.zeros(n, dtype=torch.bool)
+            keep[rows[within]] = True
+            alive = alive & keep
+    if totals[0] == 0:
+        raise ValueError("no position to measure the head's acceptance on: the prompts' "
+                         "continuations were empty (EOS at once?)")
+    acc = hits / totals.clamp_min(1)[:, None]
+    # depths that no path reached carry no information: drop them
+    kept = int((totals > 0).sum())
+    return {"rank_accuracies": acc[:kept].tolist(), "positions": totals[:kept].int().tolist(),
+            "tokens": generated}
+
+
+# ---------------------------------------------------------------------------------------------
+# costs
+
+
+@torch.no_grad()
+def measure_eagle_draft_cost(proposer, target: Target, depths, topks, *,
+                             context: int = COST_CONTEXT, accepted: int = 1,
+                             repeats: int = 5, seed: int = 0) -> dict[tuple[int, int], float]:
+    """Median seconds of one EAGLE draft round per (depth, topk): catching up on ``accepted``
+    verified tokens, then the EAGLE-2 tree. The head's cache holds ``context`` entries."""
+    head = proposer.head
+    gen = torch.Generator().manual_seed(seed)
+    seq = torch.randint(0, target.vocab_size, (context + 1,), generator=gen).tolist()
+    out = target.model(input_ids=torch.tensor([seq[:context]], device=target.device),
+                       output_hidden_states=True, use_cache=False, logits_to_keep=1)
+    hidden = [out.hidden_states[i] for i in proposer.hidden_layers]
+    proposer.start(seq[:context], hidden, None, None)  # catches up on context - 1 entries
+    fused = proposer._fuse(hidden)  # (1, context, h)
+    saved = (proposer.root_hidden, proposer.root_logits)
+    base = proposer.cached
+    settings = (proposer.depth, proposer.topk, proposer.tree_nodes)
+    times: dict[tuple[int, int], list[float]] = {(d, k): [] for d in depths for k in topks}
+    try:
+        for _ in range(repeats + 1):
+            for d, k in times:
+                proposer.depth, proposer.topk = d, k
+                proposer.tree_nodes = k + (d - 1) * k * k
+                # rewind: the last ``accepted`` entries are to be caught up on again
+                crop(proposer.cache, base - accepted)
+                proposer.cached = base - accepted
+                proposer.pending = fused[:, base - accepted: base + 1]
+                _sync(head.device)
+                start = time.perf_counter()
+                proposer.propose(seq, d)
+                _sync(head.device)
+                times[(d, k)].append(time.perf_counter() - start)
+    finally:
+        proposer.depth, proposer.topk, proposer.tree_nodes = settings
+        proposer.root_hidden, proposer.root_logits = saved
+    return {key: statistics.median(t[1:]) for key, t in times.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# the choice
+
+
+@dataclass
+class EagleTreeChoice:
+    depth: int
+    topk: int
+    tree_nodes: int
+    expected_tau: float
+    predicted_speedup: float  # over plain decoding, under the cost model
+    round_seconds: float  # draft + verification, per round
+    plain_seconds: float  # one plain decoding step
+    table: list[dict]  # the best size of every (depth, topk)
+
+    @property
+    def expected_tokens_per_s(self) -> float:
+        return self.expected_tau / self.round_seconds
+
+    def as_dict(self) -> dict:
+        return {"depth": self.depth, "topk": self.topk, "tree_nodes": self.tree_nodes,
+                "expected_tau": self.expected_tau, "predicted_speedup": self.predicted_speedup,
+                "expected_tokens_per_s": self.expected_tokens_per_s,
+                "plain_tokens_per_s_model": 1.0 / self.plain_seconds,
+                "round_seconds": self.round_seconds}
+
+
+def choose_eagle_tree(rank_accuracies, verify_seconds: dict[int, float],
+                      draft_seconds: dict[tuple[int, int], float], *, max_depth: int = MAX_DEPTH,
+                      max_topk: int = MAX_TOPK, max_nodes: int = MAX_NODES) -> EagleTreeChoice:
+    """The (depth, topk, nodes) maximising expected_tau(tree) / (verify(1 + n) + draft(d, k)).
+
+    ``draft_seconds[(d, k)]``: one draft round; pairs beyond ``max_depth`` / ``max_topk`` or the
+    accuracies' depth and ranks are skipped. Nodes stop at the largest verified size minus one.
+    """
+    acc = rank_table(rank_accuracies)
+    if 1 not in verify_seconds:
+        raise ValueError("verify_seconds needs the cost of 1 token (plain decoding)")
+    plain = verify_seconds[1]
+    limit = min(max_nodes, max(verify_seconds) - 1)
+    if limit < 1:
+        raise ValueError(f"measure verification of at least 2 tokens (got {sorted(verify_seconds)})")
+    best, table = None, []
+    for (d, k), draft in sorted(draft_seconds.items()):
+        if d > min(max_depth, len(acc)) or k > min(max_topk, len(acc[0])):
+            continue
+        sub = [row[:k] for row in acc[:d]]
+        reachable = sum(k ** j for j in range(1, d + 1))  # ranks < k, depth <= d
+        grown = grow_medusa_tree(sub, min(limit, reachable))
+        tau, top = 1.0, None
+        for n, (_, value) in enumerate(grown, start=1):
+            tau += value
+            cost = _interpolate(verify_seconds, n + 1) + draft
+            row = {"depth": d, "topk": k, "tree_nodes": n, "expected_tau": tau,
+                   "round_seconds": cost, "predicted_speedup": tau * plain / cost}
+            if top is None or row["predicted_speedup"] > top["predicted_speedup"]:
+                top = row
+        if top is None:
+            continue
+        table.append(top)
+        # ties go to the smaller tree, then the shallower and narrower
+        rank = (top["predicted_speedup"], -top["tree_nodes"], -d, -k)
+        if best is None or rank > best[0]:
+            best = (rank, top)
+    if best is None:
+        raise ValueError(f"no (depth, topk) within depth <= {max_depth} and topk <= {max_topk} "
+                         f"was measured (measured {sorted(draft_seconds)})")
+    top = best[1]
+    return EagleTreeChoice(top["depth"], top["topk"], top["tree_nodes"], top["expected_tau"],
+                           top["predicted_speedup"], top["round_seconds"], plain, table)
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole job for one artifact
+
+
+def _calibration_prompts(target: Target, source, num_prompts: int) -> list[list[int]]:
+    """A JSONL of questions (its first ``num_prompts``), or token-id lists as they are."""
+    from eval.prompts import load_prompts
+
+    if isinstance(source, (list, tuple)):
+        return [list(p) for p in source[:num_prompts]]
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"--tree auto measures the head's acceptance on held-out prompts, but {path} does not "
+            "exist: pass --tree-calibration-prompts with a JSONL of questions (not the ones you "
+            "benchmark on)")
+    prompt_set = load_prompts(str(path), limit=num_prompts)
+    if not prompt_set.prompts:
+        raise ValueError(f"{path} holds no prompts to measure the head's acceptance on")
+    return [target.chat_ids(p.text) for p in prompt_set.prompts]
+
+
+def _source_name(source) -> str:
+    return "token-id prompts" if isinstance(source, (list, tuple)) else str(source)
+
+
+def auto_eagle_tree(proposer, artifact: str | os.PathLike, target: Target, *,
+                    draft_dtype: torch.dtype | None = None,
+                    max_depth: int | None = None, max_topk: int | None = None,
+                    max_nodes: int | None = None,
+                    calibration_prompts=DEFAULT_CALIBRATION_PROMPTS,
+                    num_prompts: int = CALIBRATION_NUM_PROMPTS,
+                    max_new_tokens: int = CALIBRATION_NEW_TOKENS) -> dict:
+    """Choose and set the proposer's depth, topk and node count; returns the tree record.
+
+    Reads ``<artifact>/tree_calibration.json``; measures what it lacks (acceptance for these
+    weights, costs for this machine), says so, and stores it back.
+    """
+    max_depth = MAX_DEPTH if max_depth is None else max_depth
+    max_topk = MAX_TOPK if max_topk is None else max_topk
+    max_nodes = MAX_NODES if max_nodes is None else max_nodes
+    calibration = Calibration.load(artifact)
+    digest = weights_digest(artifact)
+    changed = False
+    acceptance = calibration.acceptance.get(digest)
+    if acceptance is None:
+        log(f"{artifact}: no acceptance statistics for these weights; measuring them on "
+            f"{num_prompts} prompts of {_source_name(calibration_prompts)} ({max_new_tokens} tokens "
+            "each)")
+        prompts = _calibration_prompts(target, calibration_prompts, num_prompts)
+        started = time.perf_counter()
+        stats = eagle_rank_accuracies(proposer.head, target, prompts,
+                                      max_new_tokens=max_new_tokens)
+        acceptance = {**stats, "prompts": _source_name(calibration_prompts), "num_prompts": len(prompts),
+                      "max_new_tokens": max_new_tokens,
+                      "draft_dtype": dtype_name(proposer.head.dtype), "measured_at": _now(),
+                      "seconds": round(time.perf_counter() - started, 1)}
+        calibration.acceptance = {digest: acceptance}  # other weights' statistics are stale
+        changed = True
+    description = machine_description(target, draft_dtype)
+    key = machine_key(description)
+    costs = calibration.machines.get(key)
+    if costs is None:
+        others = len(calibration.machines)
+        log(f"{artifact}: measuring this machine's costs"
+            + (f" ({others} calibration(s) from other machines are not used here)"
+               if others else ""))
+        started = time.perf_counter()
+        verify = measure_verify_cost(target, VERIFY_SIZES, context=COST_CONTEXT)
+        depths = range(1, MAX_DEPTH + 1)
+        draft = measure_eagle_draft_cost(proposer, target, depths, TOPK_CHOICES)
+        costs = {"machine": description,
+                 "verify_seconds": {str(n): s for n, s in verify.items()},
+                 "draft_seconds": {f"{d},{k}": s for (d, k), s in draft.items()},
+                 "context": COST_CONTEXT, "measured_at": _now(),
+                 "seconds": round(time.perf_counter() - started, 1)}
+        calibration.machines[key] = costs
+        changed = True
+    stored = changed and calibration.save()
+    verify = {int(n): s for n, s in costs["verify_seconds"].items()}
+    draft = {tuple(int(x) for x in dk.split(",")): s for dk, s in costs["draft_seconds"].items()}
+    choice = choose_eagle_tree(acceptance["rank_accuracies"], verify, draft,
+                               max_depth=max_depth, max_topk=max_topk, max_nodes=max_nodes)
+    proposer.depth, proposer.topk, proposer.tree_nodes = choice.depth, choice.topk, choice.tree_nodes
+    log(f"{artifact}: depth {choice.depth}, topk {choice.topk}, {choice.tree_nodes} nodes: "
+        f"expected tau {choice.expected_tau:.2f}, predicted {choice.predicted_speedup:.2f}x "
+        "plain decoding")
+    return {"mode": "auto", **choice.as_dict(), "machine_key": key,
+            "calibration": str(calibration.path) if stored or calibration.path.exists() else None,
+            "measured_now": changed,
+            "acceptance_positions": acceptance.get("positions")}
+
+
+# ---------------------------------------------------------------------------------------------
+# Medusa: the stored accuracies (or measured ones), this machine's costs
+
+
+@torch.no_grad()
+def medusa_rank_accuracies(heads, target: Target, prompts: list[list[int]], *,
+                           max_new_tokens: int = CALIBRATION_NEW_TOKENS,
+                           ranks: int = RANKS_MEASURED) -> dict:
+    """Per-head, per-rank accuracies of Medusa heads on the target's greedy continuations.
+
+    Head k (0-based) reads h_t and guesses x_{t+2+k}; counted at every position from the last
+    prompt token on, each head on its own (the convention of the trainer's held-out accuracies).
+    """
+    from eval.engine import SpeculativeEngine
+
+    engine = SpeculativeEngine(target)
+    K = heads.num_heads
+    ranks = min(ranks, heads.config.head_vocab_size)
+    hits = torch.zeros(K, ranks, dtype=torch.float64)
+    totals = torch.zeros(K, dtype=torch.float64)
+    generated = 0
+    for prompt in prompts:
+        tokens = engine.generate(prompt, max_new_tokens).tokens
+        generated += len(tokens)
+        seq = list(prompt) + tokens
+        S, P = len(seq), len(prompt)
+        ids = torch.tensor([seq], device=target.device)
+        out = target.model(input_ids=ids, output_hidden_states=True, use_cache=False,
+                           logits_to_keep=1)
+        anchors = torch.arange(P - 1, S - 2)
+        if not len(anchors):
+            continue
+        logits = heads(out.hidden_states[target.num_layers][0, anchors.to(target.device)]).float()
+        seq_t = torch.tensor(seq, device=logits.device)
+        for k in range(K):
+            valid = anchors + 2 + k < S
+            if not bool(valid.any()):
+                continue
+            rows = valid.nonzero().squeeze(1)
+            truth = heads.target_to_draft(seq_t[(anchors[rows] + 2 + k).to(logits.device)])
+            rank = _rank_of(logits[k, rows.to(logits.device)], truth).cpu()
+            totals[k] += len(rows)
+            within = (rank >= 0) & (rank < ranks)
+            hits[k] += torch.bincount(rank[within], minlength=ranks)[:ranks].double()
+    if totals[0] == 0:
+        raise ValueError("no position to measure the heads' accuracies on: the prompts' "
+                         "continuations were empty (EOS at once?)")
+    kept = int((totals > 0).sum())
+    return {"rank_accuracies": (hits / totals.clamp_min(1)[:, None])[:kept].tolist(),
+            "positions": totals[:kept].int().tolist(), "tokens": generated}
+
+
+def auto_medusa_tree(artifact: str | os.PathLike, target: Target, heads, tree_info: dict, *,
+                     max_depth: int | None = None, max_topk: int | None = None,
+                     max_nodes: int | None = None,
+                     calibration_prompts=DEFAULT_CALIBRATION_PROMPTS,
+                     num_prompts: int = CALIBRATION_NUM_PROMPTS,
+                     max_new_tokens: int = CALIBRATION_NEW_TOKENS) -> tuple[list, dict]:
+    """The Medusa tree whose size maximises expected tokens/s here -> (tree, record).
+
+    The accuracies are the artifact's stored held-out ones (``tree_info["rank_accuracies"]``),
+    else measured on ``calibration_prompts`` and kept in the calibration file; the costs
+    (verification, the heads' proposal) are this machine's, measured once and kept.
+    """
+    from heads.medusa_tree import choose_tree_nodes, measure_head_cost
+
+    calibration = Calibration.load(artifact)
+    changed = False
+    acc = tree_info.get("rank_accuracies")
+    source = "the artifact's held-out accuracies"
+    if acc is None:
+        digest = weights_digest(artifact)
+        stats = calibration.acceptance.get(digest)
+        if stats is None:
+            log(f"{artifact}: the artifact stores no held-out accuracies; measuring them on "
+                f"{num_prompts} prompts of {_source_name(calibration_prompts)} "
+                f"({max_new_tokens} tokens each)")
+            prompts = _calibration_prompts(target, calibration_prompts, num_prompts)
+            stats = {**medusa_rank_accuracies(heads, target, prompts,
+                                              max_new_tokens=max_new_tokens),
+                     "prompts": _source_name(calibration_prompts), "num_prompts": len(prompts),
+                     "max_new_tokens": max_new_tokens, "measured_at": _now()}
+            calibration.acceptance = {digest: stats}
+            changed = True
+        acc, source = stats["rank_accuracies"], f"accuracies measured on {stats['prompts']}"
+    acc = rank_table(acc)[:heads.num_heads]
+    if max_depth is not None:
+        acc = acc[:max_depth]
+    if max_topk is not None:
+        acc = [row[:max_topk] for row in acc]
+    description = machine_description(target, None)
+    key = machine_key(description)
+    costs = calibration.machines.get(key)
+    depth, topk = len(acc), len(acc[0])
+    if costs is None or costs.get("head_shape") != [depth, topk]:
+        others = sum(1 for k in calibration.machines if k != key)
+        log(f"{artifact}: measuring this machine's costs"
+            + (f" ({others} calibration(s) from other machines are not used here)"
+               if others else ""))
+        verify = measure_verify_cost(target, VERIFY_SIZES, context=COST_CONTEXT)
+        costs = {"machine": description,
+                 "verify_seconds": {str(n): s for n, s in verify.items()},
+                 "head_seconds": measure_head_cost(heads, depth=depth, topk=topk),
+                 "head_shape": [depth, topk], "context": COST_CONTEXT, "measured_at": _now()}
+        calibration.machines[key] = costs
+        changed = True
+    stored = changed and calibration.save()
+    verify = {int(n): s for n, s in costs["verify_seconds"].items()}
+    limit = MAX_NODES if max_nodes is None else max_nodes
+    choice = choose_tree_nodes(acc, verify, costs["head_seconds"], max_tree_nodes=limit)
+    round_seconds = _interpolate(verify, choice.tree_nodes + 1) + costs["head_seconds"]
+    record = {"mode": "auto", "depth": max(len(p) for p in choice.tree),
+              "topk": max(max(p) for p in choice.tree) + 1, "tree_nodes": choice.tree_nodes,
+              "expected_tau": choice.expected_tau, "predicted_speedup": choice.predicted_speedup,
+              "expected_tokens_per_s": choice.expected_tau / round_seconds,
+              "plain_tokens_per_s_model": 1.0 / verify[1], "round_seconds": round_seconds,
+              "accuracies": source, "machine_key": key,
+              "calibration": str(calibration.path) if stored or calibration.path.exists() else None,
+              "measured_now": changed}
+    log(f"{artifact}: {choice.tree_nodes} nodes, depth {record['depth']}: expected tau "
+        f"{choice.expected_tau:.2f}, predicted {choice.predicted_speedup:.2f}x plain decoding")
+    return choice.tree, record
