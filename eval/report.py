@@ -455,6 +455,29 @@ def methods_table(records: list[dict]) -> str:
     return _table(header, rows)
 
 
+def trees_table(records: list[dict]) -> str:
+    """The trees ``--tree auto`` chose: expected (cost model) beside measured."""
+    rows = []
+    for r in records:
+        t = r.get("tree")
+        if not isinstance(t, dict):
+            continue
+        rows.append([_e(r["method"]), _fmt(t.get("depth")), _fmt(t.get("topk")),
+                     _fmt(t.get("tree_nodes")),
+                     f"{_fmt(t.get('expected_tau'))} / {_fmt(r.get('tau'))}",
+                     f"{_fmt(t.get('expected_tokens_per_s'), 2)} / "
+                     f"{_fmt(r.get('tokens_per_s'), 2)}",
+                     _fmt(t.get("predicted_speedup"))])
+    if not rows:
+        return ""
+    return ("<p>Trees chosen by <code>--tree auto</code> from this machine's measured costs "
+            "and each head's measured acceptance. Expected tokens/s counts forward passes "
+            "only (no prefill, sampling or bookkeeping).</p>"
+            + _table(["method", "depth", "topk", "nodes", "tau expected / measured",
+                      "tokens/s expected / measured", "predicted speedup over plain decoding"],
+                     rows))
+
+
 def categories_table(categories: list[dict]) -> str:
     names = [c.get("category") for c in categories]
     methods = list(dict.fromkeys(r.get("method") for c in categories
@@ -499,7 +522,7 @@ def divergences_table(records: list[dict]) -> str:
 def _config_table(config: dict) -> str:
     keys = ["target", "prompts", "num_prompts", "skipped_prompts", "categories", "turn",
             "max_new_tokens", "temperature", "top_k", "top_p", "seed", "repeats", "device",
-            "dtype", "attn_implementation", "draft_dtype", "method_options", "threads", "torch",
+            "dtype", "attn_implementation", "draft_dtype", "method_options", "tree", "threads", "torch",
             "transformers", "machine"]
     rows = [[_e(k), _e(json.dumps(config[k]) if isinstance(config[k], (dict, list))
                        else config[k])] for k in keys if k in config]
@@ -537,7 +560,7 @@ def build_report(reports: list[tuple[str, dict]], metrics: list[Metrics],
                  + (f"<p class='missing'>{_e(name)} was written by an older eval.bench (report "
                     "version 1): it holds no per-prompt figures, intervals, categories or "
                     "accepted lengths; run eval.bench again for them.</p>" if old else "")
-                 + methods_table(records) + _config_table(config)
+                 + methods_table(records) + trees_table(records) + _config_table(config)
                  + ("" if old else
                     f"<p class='note'>Intervals: {int(CONFIDENCE * 100)}% percentile bootstrap "
                     f"over prompts ({BOOTSTRAP_RESAMPLES} resamples, the method and hf "

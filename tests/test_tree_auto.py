@@ -172,7 +172,7 @@ def test_bench_chooses_trees_by_default_and_reports_expected_beside_measured(tmp
             "--prompts", str(questions), "--max-new-tokens", "12", "--warmup", "0",
             "--no-progress", "--tree-calibration-prompts", str(held_out),
             "--tree-calibration-num-prompts", "3", "--tree-nodes", "6",
-            "--out", str(tmp_path / "r.json")]
+            "--out", str(tmp_path / "r.json"), "--html", str(tmp_path / "r.html")]
     bench.main(argv)
     err = capsys.readouterr()
     assert "no acceptance statistics for these weights; measuring them on 3 prompts" in err.err
@@ -189,6 +189,8 @@ def test_bench_chooses_trees_by_default_and_reports_expected_beside_measured(tmp
         assert tree["expected_tokens_per_s"] > 0 and tree["expected_tau"] >= 1
         assert tree["measured_now"] and Path(tree["calibration"]).exists()
     assert "tree" not in by_name["plain"]
+    page = (tmp_path / "r.html").read_text()
+    assert "Trees chosen by <code>--tree auto</code>" in page and f"eagle:{eagle}" in page
     # the second run finds both calibrations and measures nothing
     bench.main(argv)
     err = capsys.readouterr().err
