@@ -58,6 +58,7 @@ DEFAULT_CALIBRATION_PROMPTS = Path(__file__).resolve().parents[1] / "data/eval/v
 CALIBRATION_NUM_PROMPTS = 8
 CALIBRATION_NEW_TOKENS = 64
 COST_CONTEXT = 128  # tokens already cached when a verification or a draft round is timed
+COST_REPEATS = 9  # timings per size (the median is kept): a few % of noise moves a CPU's optimum
 
 
 def log(message: str) -> None:
@@ -430,7 +431,8 @@ def auto_eagle_tree(proposer, artifact: str | os.PathLike, target: Target, *,
             + (f" ({others} calibration(s) from other machines are not used here)"
                if others else ""))
         started = time.perf_counter()
-        verify = measure_verify_cost(target, VERIFY_SIZES, context=COST_CONTEXT)
+        verify = measure_verify_cost(target, VERIFY_SIZES, context=COST_CONTEXT,
+                                     repeats=COST_REPEATS)
         depths = range(1, MAX_DEPTH + 1)
         draft = measure_eagle_draft_cost(proposer, target, depths, TOPK_CHOICES)
         costs = {"machine": description,
@@ -554,7 +556,8 @@ def auto_medusa_tree(artifact: str | os.PathLike, target: Target, heads, tree_in
         log(f"{artifact}: measuring this machine's costs"
             + (f" ({others} calibration(s) from other machines are not used here)"
                if others else ""))
-        verify = measure_verify_cost(target, VERIFY_SIZES, context=COST_CONTEXT)
+        verify = measure_verify_cost(target, VERIFY_SIZES, context=COST_CONTEXT,
+                                     repeats=COST_REPEATS)
         costs = {"machine": description,
                  "verify_seconds": {str(n): s for n, s in verify.items()},
                  "head_seconds": measure_head_cost(heads, depth=depth, topk=topk),
