@@ -6,9 +6,11 @@ THREADS ?= 2
 BENCH_PROMPTS ?= data/eval/mt_bench_question.jsonl
 BENCH_N ?= 20
 BENCH_DRAFT ?= truncate:8
-# the EAGLE-3 head shipped for the embedded target, with the tree chosen on Vicuna-bench prompts
+# the heads shipped for the embedded target; --tree auto picks their trees for this machine
+# (the calibration for the machine they were trained on ships in their tree_calibration.json)
 SHIPPED_EAGLE := artifacts/smollm2-135m/eagle3
-SHIPPED_TREE ?= --tree-depth 2 --tree-topk 3 --tree-nodes 4 --draft-dtype bf16
+SHIPPED_MEDUSA := artifacts/smollm2-135m/medusa
+SHIPPED_TREE ?= --tree auto --draft-dtype bf16
 STAMP := .install.stamp
 
 .PHONY: install test test-slow bench demo lint clean
@@ -32,7 +34,7 @@ bench: install
 	$(PYTHON) -m eval.bench --target smollm2-135m --threads $(THREADS) \
 	  --method hf --method plain --method pld --method hf-pld \
 	  --method draft:$(BENCH_DRAFT) --method hf-assisted:$(BENCH_DRAFT) \
-	  --method eagle:$(SHIPPED_EAGLE) $(SHIPPED_TREE) \
+	  --method eagle:$(SHIPPED_EAGLE) --method medusa:$(SHIPPED_MEDUSA) $(SHIPPED_TREE) \
 	  --prompts $(BENCH_PROMPTS) --num-prompts $(BENCH_N) --max-new-tokens 128 \
 	  --temperature 0 --out reports/bench.json --html reports/bench.html
 
