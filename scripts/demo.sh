@@ -12,12 +12,14 @@
 #                 real EAGLE-3 recipe (7 training-time-test steps, 8192-token draft vocabulary),
 #                 shortened for a CPU: 256-token sequences, DEMO_STEPS optimizer steps at a higher
 #                 learning rate, acceptance (tau) measured at the start, every 40 steps and at
-#                 the end on 2 MT-bench prompts (held out: never trained on);
+#                 the end on 2 Vicuna-bench prompts (held out: never trained on);
 #   3. export:    python -m heads.export ... --format vllm (the layout vLLM and SGLang load);
-#   4. benchmark: python -m eval.bench on a few MT-bench prompts: plain transformers generate
-#                 (hf), its prompt lookup (hf-pld) and assisted generation with an untrained
-#                 truncated draft (hf-assisted), beside the trained head (eagle), exact greedy
-#                 decoding throughout.
+#   4. benchmark: python -m eval.bench on 5 MT-bench prompts, 128 tokens each: plain
+#                 transformers generate (hf), its prompt lookup (hf-pld) and assisted generation
+#                 with an untrained truncated draft (hf-assisted), beside the freshly trained head
+#                 and the shipped one (artifacts/smollm2-135m/eagle3), exact greedy decoding
+#                 throughout. Each head's tree is chosen by --tree auto: its acceptance measured
+#                 on 8 Vicuna-bench prompts, this machine's costs measured (about a minute).
 #
 # The training data are the target's own answers shipped in data/train/selfdistill_answers.jsonl
 # (data/SOURCES.md says how they were made), as EAGLE recommends.
@@ -27,8 +29,8 @@
 # README (hours on one GPU). Rerunning continues from the checkpoints in OUTPUT_DIR.
 #
 # Settings (environment): PYTHON (python3), THREADS (2: torch threads), DEMO_STEPS (120),
-# DEMO_PROMPTS (3: benchmark prompts), DEMO_NEW_TOKENS (64), DEMO_ASSISTED (truncate:27: the
-# assisted-generation draft, the target's first N layers), DEMO_TREE (the EAGLE tree options).
+# DEMO_PROMPTS (5: benchmark prompts), DEMO_NEW_TOKENS (128), DEMO_ASSISTED (truncate:27: the
+# assisted-generation draft, the target's first N layers), DEMO_TREE (the heads' tree options).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,20 +38,20 @@ OUT="${1:-runs/demo}"
 PYTHON="${PYTHON:-python3}"
 THREADS="${THREADS:-2}"
 STEPS="${DEMO_STEPS:-120}"
-PROMPTS_N="${DEMO_PROMPTS:-3}"
-NEW_TOKENS="${DEMO_NEW_TOKENS:-64}"
+PROMPTS_N="${DEMO_PROMPTS:-5}"
+NEW_TOKENS="${DEMO_NEW_TOKENS:-128}"
 ASSISTED="${DEMO_ASSISTED:-truncate:27}"
 TARGET=smollm2-135m
 DATA=data/train/selfdistill_answers.jsonl
 EVAL_PROMPTS=data/eval/mt_bench_question.jsonl
 MAX_LENGTH=256
 RUN="$OUT/eagle3"
-# The draft tree for this CPU (DEMO_TREE): verifying 5 tokens costs ~1.15x one here, 33 ~2x, and a
-# barely trained head rarely gets deep, so a small tree wins; the bf16 head drafts faster beside
-# the fp32 target (measured: 1.19x -> 1.28x `hf`; one token's matmuls are bound by reading the
-# weights, which bf16 halves) and exactness does not depend on it. On a GPU drop these (depth 5,
-# 32 nodes).
-TREE="${DEMO_TREE:---tree-depth 2 --tree-topk 3 --tree-nodes 4 --draft-dtype bf16}"
+# The draft trees (DEMO_TREE): --tree auto measures this machine's costs and each head's
+# acceptance and picks depth, branching and size (on this 2-core CPU verifying 5 tokens costs
+# ~1.15x one, 33 ~2x, so small trees win); the heads draft in bf16 beside the fp32 target
+# (measured: 1.19x -> 1.28x `hf`; one token's matmuls are bound by reading the weights, which
+# bf16 halves), and exactness does not depend on it.
+TREE="${DEMO_TREE:---tree auto --draft-dtype bf16}"
 export OMP_NUM_THREADS="$THREADS"
 
 TIMINGS=()
