@@ -38,7 +38,7 @@ bench: install
 	  --prompts $(BENCH_PROMPTS) --num-prompts $(BENCH_N) --max-new-tokens 128 \
 	  --temperature 0 --out reports/bench.json --html reports/bench.html
 
-# the main job on the embedded target: data -> accelerate launch train/eagle.py (~10 min on 2
+# the main job on the embedded target: data -> accelerate launch train/eagle.py (~12 min on 2
 # cores) -> export -> eval.bench against hf, hf-pld and hf-assisted; see scripts/demo.sh
 demo: install
 	PYTHON=$(PYTHON) THREADS=$(THREADS) scripts/demo.sh runs/demo
