@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from eval.kv import crop
+from eval.report import write_atomic
 from heads.medusa_tree import _interpolate, _sync, grow_medusa_tree, measure_verify_cost, rank_table
 from heads.target import Target, dtype_name
 
@@ -50,7 +51,7 @@ CALIBRATION_FILE = "tree_calibration.json"
 CALIBRATION_FORMAT = "draftsmith-tree-calibration"
 CALIBRATION_VERSION = 1
 # verification sizes timed (1 = plain decoding); small ones densely, where CPU optima lie
-VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
+TIMED_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 MAX_DEPTH, MAX_TOPK, MAX_NODES = 6, 8, 63  # the search's bounds unless the user caps them
 TOPK_CHOICES = (1, 2, 3, 4, 6, 8)
 RANKS_MEASURED = 10  # ranks whose acceptance is measured
@@ -151,12 +152,9 @@ class Calibration:
         """Write atomically; False (and a warning) where the artifact's folder is read-only."""
         data = {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION,
                 "acceptance": self.acceptance, "machines": self.machines}
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
-            tmp.write_text(json.dumps(data, indent=1) + "\n")
-            os.replace(tmp, self.path)
+            write_atomic(self.path, json.dumps(data, indent=1) + "\n")
         except OSError as err:
-            tmp.unlink(missing_ok=True)
             log(f"could not store the calibration in {self.path} ({err}); it is measured again "
                 "next time")
             return False
@@ -431,7 +429,7 @@ def auto_eagle_tree(proposer, artifact: str | os.PathLike, target: Target, *,
             + (f" ({others} calibration(s) from other machines are not used here)"
                if others else ""))
         started = time.perf_counter()
-        verify = measure_verify_cost(target, VERIFY_SIZES, context=COST_CONTEXT,
+        verify = measure_verify_cost(target, TIMED_SIZES, context=COST_CONTEXT,
                                      repeats=COST_REPEATS)
         depths = range(1, MAX_DEPTH + 1)
         draft = measure_eagle_draft_cost(proposer, target, depths, TOPK_CHOICES)
@@ -556,7 +554,7 @@ def auto_medusa_tree(artifact: str | os.PathLike, target: Target, heads, tree_in
         log(f"{artifact}: measuring this machine's costs"
             + (f" ({others} calibration(s) from other machines are not used here)"
                if others else ""))
-        verify = measure_verify_cost(target, VERIFY_SIZES, context=COST_CONTEXT,
+        verify = measure_verify_cost(target, TIMED_SIZES, context=COST_CONTEXT,
                                      repeats=COST_REPEATS)
         costs = {"machine": description,
                  "verify_seconds": {str(n): s for n, s in verify.items()},
