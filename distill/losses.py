@@ -302,17 +302,3 @@ def expected_acceptance(draft_logits: torch.Tensor, target_logits: torch.Tensor,
     sampling at ``temperature`` (without top-k / top-p)."""
     return 1.0 - tvd(draft_logits, target_logits, mask, temperature=temperature,
                      chunk_size=chunk_size)
-
-
-def next_token_mask(loss_mask: torch.Tensor) -> torch.Tensor:
-    """(batch, seq) loss mask over tokens -> (batch, seq) mask over the logits predicting them.
-
-    ``loss_mask[:, t] = 1`` means token t is to be predicted; the logits at position t - 1 predict
-    it. Passing the full (batch, seq, vocab) logits with this mask avoids slicing ``[:, :-1]``.
-    """
-    if loss_mask.dim() < 1:
-        raise ValueError("loss_mask needs a sequence dimension, got shape "
-                         f"{tuple(loss_mask.shape)}")
-    shifted = torch.zeros_like(loss_mask)
-    shifted[..., :-1] = loss_mask[..., 1:]
-    return shifted

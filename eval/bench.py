@@ -26,37 +26,31 @@ import os
 os.environ.setdefault("MKL_CBWR", "AUTO")
 
 import argparse  # noqa: E402
-import inspect
 import json
-import math
 import platform
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from distill.draft import load_draft
-from eval.eagle import EagleProposer
-from eval.engine import SpeculativeEngine, check_prompt
-from eval.medusa import MedusaProposer, TypicalMedusaProposer
-from eval.prompts import load_prompts
-from eval.proposers import DraftModelProposer, NgramProposer, Proposer
-from eval.report import (
-    build_report,
-    check_writable,
-    log_to_wandb,
-    render_html,
-    write_atomic,
+from eval.engine import check_prompt
+from eval.methods import (
+    build_methods,
+    dest,
+    method_for,
+    option_flags,
+    options_from_args,
+    owners,
 )
+from eval.prompts import load_prompts
+from eval.report import build_report, log_to_wandb, render_html
+from eval.runners import TREE_AUTO, TREE_MODES, Method, int_at_least, parse_finite
 from eval.sampling import SamplingParams
 from eval.summary import (
     REPORT_FORMAT,
     REPORT_VERSION,
     MethodRuns,
-    PromptRun,
     classify_divergence,
     first_difference,
     greedy_summary,
@@ -67,338 +61,10 @@ from eval.tree_auto import (
     CALIBRATION_NEW_TOKENS,
     CALIBRATION_NUM_PROMPTS,
     DEFAULT_CALIBRATION_PROMPTS,
-    auto_eagle_tree,
-    auto_medusa_tree,
 )
-from heads.medusa_tree import AUTO
-from heads.target import Target, dtype_name, load_target, parse_dtype
-
-FIXED_METHODS = ("plain", "hf", "pld", "hf-pld")
-TREE_AUTO, TREE_FIXED = "auto", "fixed"
-TREE_MODES = (TREE_AUTO, TREE_FIXED)
-PREFIX_METHODS = ("draft:", "hf-assisted:", "eagle:", "medusa:")
-TYPICAL_PREFIX = "typical:"
-
-
-class Method:
-    """A named way to generate: run(prompt_ids) -> PromptRun; trace() also returns the logits."""
-
-    name: str
-    exact = True
-
-    def run(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
-            seed: int) -> PromptRun:
-        raise NotImplementedError
-
-    def trace(self, prompt_ids: list[int], max_new_tokens: int,
-              params: SamplingParams) -> tuple[list[int], list[torch.Tensor]]:
-        """Greedy tokens and the target's logits (vocab,) behind each (untimed; for reports)."""
-        raise NotImplementedError
-
-
-class EngineMethod(Method):
-    def __init__(self, name: str, engine: SpeculativeEngine, proposer: Proposer | None,
-                 tree: dict | None = None):
-        self.name, self.engine, self.proposer = name, engine, proposer
-        self.exact = getattr(proposer, "exact", True)
-        self.tree = tree  # how --tree auto chose the proposer's tree, for the report
-
-    def run(self, prompt_ids, max_new_tokens, params, seed):
-        g = self.engine.generate(prompt_ids, max_new_tokens, params, self.proposer, seed=seed)
-        return PromptRun(g.tokens, g.seconds, g.target_passes, g.acceptance, g.accepted_lengths)
-
-    def trace(self, prompt_ids, max_new_tokens, params):
-        g = self.engine.generate(prompt_ids, max_new_tokens, params, self.proposer, seed=0,
-                                 record_logits=True)
-        return g.tokens, g.logits
-
-
-class HFMethod(Method):
-    """transformers ``generate``; target forwards are counted with a hook on the target."""
-
-    def __init__(self, name: str, target: Target, **generate_kwargs):
-        self.name, self.target, self.kwargs = name, target, generate_kwargs
-        self.calls = 0
-        target.model.register_forward_hook(self._count)
-        self.counting = False
-
-    def _count(self, module, args, output):
-        if self.counting:
-            self.calls += 1
-
-    def _generate(self, prompt_ids, max_new_tokens, params, seed, **extra):
-        ids = torch.tensor([prompt_ids], device=self.target.device)
-        sampling = (
-            {"do_sample": False} if params.greedy else
-            {"do_sample": True, "temperature": params.temperature, "top_k": params.top_k,
-             "top_p": params.top_p}
-        )
-        if not params.greedy:
-            torch.manual_seed(seed)
-        eos = list(self.target.eos_token_ids)  # the engine's stopping tokens, for both
-        return self.target.model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-            eos_token_id=eos or None, pad_token_id=eos[0] if eos else None,
-            **sampling, **self.kwargs, **extra,
-        )
-
-    @torch.no_grad()
-    def run(self, prompt_ids, max_new_tokens, params, seed):
-        self.calls, self.counting = 0, True
-        start = time.perf_counter()
-        out = self._generate(prompt_ids, max_new_tokens, params, seed)
-        seconds = time.perf_counter() - start
-        self.counting = False
-        tokens = out[0, len(prompt_ids):].tolist()
-        return PromptRun(tokens, seconds, max(0, self.calls - 1))
-
-    @torch.no_grad()
-    def trace(self, prompt_ids, max_new_tokens, params):
-        out = self._generate(prompt_ids, max_new_tokens, params, 0, output_logits=True,
-                             return_dict_in_generate=True)
-        tokens = out.sequences[0, len(prompt_ids):].tolist()
-        return tokens, [row[0].float().cpu() for row in out.logits]
-
-
-# ---------------------------------------------------------------------------------------------
-# methods and their options
-
-
-@dataclass(frozen=True)
-class OptionFlag:
-    """One library option of a method kind, and the command-line flag that sets it."""
-
-    kind: str  # "pld", "draft", "eagle", "medusa"
-    owner: object  # the callable whose signature holds the option and its one default
-    keyword: str
-    flag: str
-    parse: object  # str -> value
-    help: str
-    unset: str = "the artifact's"  # what a default of None means
-
-    def describe_default(self) -> str:
-        return self.unset if self.default is None else repr(self.default)
-
-    @property
-    def default(self):
-        return inspect.signature(self.owner).parameters[self.keyword].default
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-    return value
-
-
-def _int_at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-    parse.__name__ = f"integer >= {low}"
-    return parse
-
-
-def _probability(text: str) -> float:
-    value = _finite(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
-    return value
-
-
-def _tree_nodes(text: str) -> int | str:
-    return AUTO if text == AUTO else _int_at_least(1)(text)
-
-
-def _branching(text: str) -> list[int]:
-    try:
-        counts = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be counts per depth like 4,2,1, got {text!r}") from None
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"must be counts >= 1 per depth like 4,2,1, got {text!r}")
-    return counts
-
-
-def _children(text: str) -> str:
-    if text not in ("topk", "sample"):
-        raise argparse.ArgumentTypeError(f"must be topk or sample, got {text!r}")
-    return text
-
-
-# Every option of every proposer, with its flag; defaults are read from the library's signatures.
-OPTION_FLAGS = (
-    OptionFlag("pld", NgramProposer, "max_ngram", "--pld-max-ngram", _int_at_least(1),
-               "pld: longest n-gram matched"),
-    OptionFlag("pld", NgramProposer, "min_ngram", "--pld-min-ngram", _int_at_least(1),
-               "pld: shortest n-gram matched"),
-    OptionFlag("pld", NgramProposer, "max_depth", "--pld-depth", _int_at_least(1),
-               "pld: tokens continued after a match; also hf-pld's prompt_lookup_num_tokens"),
-    OptionFlag("pld", NgramProposer, "max_branches", "--pld-branches", _int_at_least(1),
-               "pld: continuations of distinct earlier matches merged into a tree"),
-    OptionFlag("pld", NgramProposer, "tree_nodes", "--pld-tree-nodes", _int_at_least(1),
-               "pld: nodes of the n-gram tree"),
-    OptionFlag("draft", DraftModelProposer, "max_depth", "--draft-depth", _int_at_least(1),
-               "draft: most draft tokens per round (a chain)"),
-    OptionFlag("draft", DraftModelProposer, "min_confidence", "--draft-min-confidence",
-               _probability, "draft: stop drafting after a token the draft gives less than this"),
-    OptionFlag("draft", DraftModelProposer, "branching", "--draft-branching", _branching,
-               "draft: a static tree instead of a chain, children per node at each depth "
-               "(e.g. 4,2,1)", unset="a chain"),
-    OptionFlag("draft", DraftModelProposer, "children", "--draft-children", _children,
-               "draft trees: topk (the draft's best, point-mass rule) or sample (i.i.d. "
-               "samples, SpecInfer's rule; greedy at temperature 0)"),
-    OptionFlag("eagle", EagleProposer.from_artifact, "depth", "--tree-depth", _int_at_least(1),
-               "eagle: EAGLE-2 tree depth; medusa: cap on the tree's depth"),
-    OptionFlag("eagle", EagleProposer.from_artifact, "topk", "--tree-topk", _int_at_least(1),
-               "eagle: children per expanded node; medusa: cap on the tree's ranks"),
-    OptionFlag("eagle", EagleProposer.from_artifact, "tree_nodes", "--tree-nodes", _tree_nodes,
-               "eagle: draft tokens per tree; medusa: rebuild the artifact's tree with this many "
-               "nodes from its stored accuracies, or 'auto': the size that maximises expected "
-               "tau per verification cost measured on this machine"),
-    OptionFlag("medusa", MedusaProposer.from_artifact, "tree_nodes", "--tree-nodes", _tree_nodes,
-               ""),
-    OptionFlag("medusa", MedusaProposer.from_artifact, "max_depth", "--tree-depth",
-               _int_at_least(1), ""),
-    OptionFlag("medusa", MedusaProposer.from_artifact, "max_topk", "--tree-topk",
-               _int_at_least(1), ""),
-    OptionFlag("medusa", TypicalMedusaProposer, "posterior_threshold",
-               "--medusa-posterior-threshold", _probability,
-               "medusa:typical: a node is plausible when the target gives it more than "
-               "min(threshold, alpha * exp(-entropy))"),
-    OptionFlag("medusa", TypicalMedusaProposer, "posterior_alpha", "--medusa-posterior-alpha",
-               _probability, "medusa:typical: see --medusa-posterior-threshold"),
-)
-# Options of the library entry points that no flag sets, and why.
-FIXED_OPTIONS = {
-    ("draft", "name"): "the method's name on the command line",
-    ("eagle", "name"): "the method's name on the command line",
-    ("eagle", "dtype"): "--draft-dtype",
-    ("medusa", "name"): "the method's name on the command line",
-    ("medusa", "typical"): "medusa:typical:<artifact>",
-    ("eagle", "allow_other_weights"): "--allow-other-weights",
-    ("medusa", "allow_other_weights"): "--allow-other-weights",
-}
-OWNERS = {"pld": NgramProposer, "draft": DraftModelProposer,
-          "eagle": EagleProposer.from_artifact, "medusa": MedusaProposer.from_artifact}
-
-
-def options_from_args(args: argparse.Namespace, kind: str) -> dict:
-    """The options of one method kind the user set on the command line (None: not set)."""
-    options = {}
-    for f in OPTION_FLAGS:
-        value = getattr(args, _dest(f.flag))
-        if f.kind == kind and value is not None:
-            options[f.keyword] = value
-    return options
-
-
-def _cap(tree_nodes):
-    return None if tree_nodes in (None, AUTO) else tree_nodes
-
-
-def _dest(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_")
-
-
-def build_methods(specs: list[str], target: Target, *, pld_options: dict | None = None,
-                  draft_options: dict | None = None, eagle_options: dict | None = None,
-                  medusa_options: dict | None = None,
-                  draft_dtype: torch.dtype | None = None,
-                  allow_other_weights: bool = False, tree: str = TREE_FIXED,
-                  tree_calibration: dict | None = None) -> list[Method]:
-    """Method names -> runnable methods (drafts loaded once and shared).
-
-    ``*_options``: keyword options of that kind's proposer (NgramProposer, DraftModelProposer,
-    EagleProposer.from_artifact, MedusaProposer.from_artifact); ``draft_dtype``: the precision
-    of draft LMs and EAGLE heads (None: the target's); ``allow_other_weights``: heads trained
-    for a target of the same shapes but other weights are accepted (otherwise refused).
-    ``tree="auto"``: EAGLE and Medusa trees are chosen by expected tokens/s on this machine
-    (eval.tree_auto); their depth / topk / tree_nodes options then cap the search.
-    ``tree_calibration``: keyword options of the acceptance measurement (calibration_prompts,
-    num_prompts, max_new_tokens) for artifacts that have none.
-    """
-    if tree not in TREE_MODES:
-        raise ValueError(f"tree must be one of {', '.join(TREE_MODES)}, got {tree!r}")
-    pld_options, draft_options = dict(pld_options or {}), dict(draft_options or {})
-    eagle_options, medusa_options = dict(eagle_options or {}), dict(medusa_options or {})
-    calibration = dict(tree_calibration or {})
-    if tree == TREE_FIXED and eagle_options.get("tree_nodes") == AUTO:
-        raise ValueError("EAGLE trees take a node count; --tree auto (the command line's "
-                         "default) chooses their depth, topk and nodes by measured cost")
-    if tree == TREE_AUTO:  # the options cap the search
-        eagle_caps = {"max_depth": eagle_options.pop("depth", None),
-                      "max_topk": eagle_options.pop("topk", None),
-                      "max_nodes": _cap(eagle_options.pop("tree_nodes", None))}
-        medusa_caps = {"max_depth": medusa_options.pop("max_depth", None),
-                       "max_topk": medusa_options.pop("max_topk", None),
-                       "max_nodes": _cap(medusa_options.pop("tree_nodes", None))}
-    engine = SpeculativeEngine(target)
-    drafts: dict[str, torch.nn.Module] = {}
-
-    def draft(spec: str):
-        if spec not in drafts:
-            drafts[spec] = load_draft(spec, target, dtype=draft_dtype)
-        return drafts[spec]
-
-    methods: list[Method] = []
-    for spec in specs:
-        if spec == "plain":
-            methods.append(EngineMethod(spec, engine, None))
-        elif spec == "hf":
-            methods.append(HFMethod(spec, target))
-        elif spec == "pld":
-            methods.append(EngineMethod(spec, engine, NgramProposer(**pld_options)))
-        elif spec == "hf-pld":
-            depth = pld_options.get(
-                "max_depth", inspect.signature(NgramProposer).parameters["max_depth"].default)
-            methods.append(HFMethod(spec, target, prompt_lookup_num_tokens=depth))
-        elif spec.startswith("draft:"):
-            methods.append(EngineMethod(spec, engine, DraftModelProposer(
-                draft(spec[len("draft:"):]), name=spec, **draft_options)))
-        elif spec.startswith("hf-assisted:"):
-            methods.append(HFMethod(spec, target, assistant_model=draft(spec[len("hf-assisted:"):])))
-        elif spec.startswith("eagle:"):
-            path = spec[len("eagle:"):]
-            proposer = EagleProposer.from_artifact(path, target, dtype=draft_dtype,
-                                                   name=spec, allow_other_weights=allow_other_weights,
-                                                   **eagle_options)
-            chosen = None
-            if tree == TREE_AUTO:
-                chosen = auto_eagle_tree(proposer, path, target, draft_dtype=draft_dtype,
-                                         **eagle_caps, **calibration)
-            methods.append(EngineMethod(spec, engine, proposer, chosen))
-        elif spec.startswith("medusa:"):
-            path = spec[len("medusa:"):]
-            typical = path.startswith(TYPICAL_PREFIX)
-            if not typical:
-                for key in ("posterior_threshold", "posterior_alpha"):
-                    if key in medusa_options:
-                        raise ValueError(f"--medusa-{key.replace('_', '-')} tunes Medusa's "
-                                         "typical acceptance: use medusa:typical:<artifact>")
-            proposer = MedusaProposer.from_artifact(
-                path[len(TYPICAL_PREFIX):] if typical else path, target, typical=typical,
-                name=spec, allow_other_weights=allow_other_weights, **medusa_options)
-            chosen = None
-            if tree == TREE_AUTO:
-                paths, chosen = auto_medusa_tree(
-                    path[len(TYPICAL_PREFIX):] if typical else path, target, proposer.heads,
-                    proposer.tree_info, **medusa_caps, **calibration)
-                proposer.set_tree(paths)
-            methods.append(EngineMethod(spec, engine, proposer, chosen))
-        else:
-            raise ValueError(
-                f"unknown method {spec!r}; use one of plain, hf, pld, hf-pld, "
-                "draft:<dir|truncate:N>, hf-assisted:<dir|truncate:N>, eagle:<artifact>, "
-                "medusa:<artifact>, medusa:typical:<artifact>"
-            )
-    return methods
-
+from heads.command_line import run_command
+from heads.output_dir import check_writable_file, write_atomic
+from heads.target import dtype_name, load_target, parse_dtype
 
 # ---------------------------------------------------------------------------------------------
 # running
@@ -482,22 +148,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="repeat for several methods (see above)")
     p.add_argument("--prompts", required=True,
                    help="JSONL with 'turns' (MT-bench, Spec-Bench's question.jsonl) or plain text")
-    p.add_argument("--num-prompts", type=_int_at_least(1), default=None,
+    p.add_argument("--num-prompts", type=int_at_least(1), default=None,
                    help="use the first N prompts (default: all)")
-    p.add_argument("--prompts-per-category", type=_int_at_least(1), default=None,
+    p.add_argument("--prompts-per-category", type=int_at_least(1), default=None,
                    help="use the first N prompts of each category (then --num-prompts)")
     p.add_argument("--category", action="append", dest="categories", default=None,
                    help="only prompts of this category (repeat for several)")
-    p.add_argument("--turn", type=_int_at_least(0), default=0,
+    p.add_argument("--turn", type=int_at_least(0), default=0,
                    help="which turn of multi-turn prompts (0-based); rows without it are skipped")
-    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=128)
-    p.add_argument("--temperature", type=_finite, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=_int_at_least(0), default=0, help="0 = off")
-    p.add_argument("--top-p", type=_finite, default=1.0, help="1.0 = off")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=128)
+    p.add_argument("--temperature", type=parse_finite, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int_at_least(0), default=0, help="0 = off")
+    p.add_argument("--top-p", type=parse_finite, default=1.0, help="1.0 = off")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=_int_at_least(0), default=1,
+    p.add_argument("--warmup", type=int_at_least(0), default=1,
                    help="prompts run (16 tokens) before timing")
-    p.add_argument("--repeats", type=_int_at_least(1), default=1,
+    p.add_argument("--repeats", type=int_at_least(1), default=1,
                    help="run the whole interleaved set N times; each run's speedup is reported")
     p.add_argument("--out", default=None, help="write the JSON report here")
     p.add_argument("--html", default=None,
@@ -510,15 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "on a CPU); exactness depends on the target only (default: the target's)")
     p.add_argument("--attn-implementation", default=None,
                    help="the target's attention kernel: sdpa, eager, ... (default: transformers')")
-    p.add_argument("--threads", type=_int_at_least(1), default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads")
     seen = {}
-    for f in OPTION_FLAGS:
+    for f in option_flags():
         seen.setdefault(f.flag, []).append(f)
     for flag, group in seen.items():
         defaults = (group[0].describe_default() if len(group) == 1 else
                     "; ".join(f"{f.kind} {f.describe_default()}" for f in group))
         text = " ".join(f.help for f in group if f.help)
-        p.add_argument(flag, type=group[0].parse, default=None, dest=_dest(flag),
+        p.add_argument(flag, type=group[0].parse, default=None, dest=dest(flag),
                        help=f"{text} (default: {defaults})")
     p.add_argument("--tree", choices=TREE_MODES, default=TREE_AUTO,
                    help="auto: EAGLE and Medusa trees (depth, topk, nodes) chosen for the most "
@@ -529,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-calibration-prompts", default=str(DEFAULT_CALIBRATION_PROMPTS),
                    help="held-out questions on which --tree auto measures a head's acceptance "
                         "when its artifact has none (default: the Vicuna-bench questions)")
-    p.add_argument("--tree-calibration-num-prompts", type=_int_at_least(1),
+    p.add_argument("--tree-calibration-num-prompts", type=int_at_least(1),
                    default=CALIBRATION_NUM_PROMPTS,
                    help=f"how many of them (default {CALIBRATION_NUM_PROMPTS}, "
                         f"{CALIBRATION_NEW_TOKENS} tokens each)")
@@ -547,8 +213,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     for spec in args.methods:
-        if spec not in FIXED_METHODS and not spec.startswith(PREFIX_METHODS):
-            p.error(f"unknown method {spec!r}; known: {', '.join(FIXED_METHODS + PREFIX_METHODS)}")
+        try:
+            method_for(spec)
+        except ValueError as err:
+            p.error(str(err))
     try:
         args.params = SamplingParams(args.temperature, args.top_k, args.top_p)
     except ValueError as err:
@@ -556,7 +224,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("out", "html"):
         if getattr(args, name):
             try:
-                check_writable(getattr(args, name))
+                check_writable_file(getattr(args, name))
             except ValueError as err:
                 p.error(f"--{name}: {err}")
     return args
@@ -579,7 +247,7 @@ def main(argv=None) -> list[dict]:
     if "hf" not in specs:
         print("[bench] adding `hf`: speedup is measured against it in the same run", file=sys.stderr)
         specs.insert(0, "hf")
-    uses_trees = any(s.startswith(("eagle:", "medusa:")) for s in specs)
+    uses_trees = any(method_for(s).trees for s in specs)
     if args.tree == TREE_AUTO and uses_trees and (
             Path(args.tree_calibration_prompts).resolve() == Path(args.prompts).resolve()):
         print("[bench] warning: --tree auto measures acceptance on the prompts being "
@@ -590,7 +258,7 @@ def main(argv=None) -> list[dict]:
                             tree_calibration={
                                 "calibration_prompts": args.tree_calibration_prompts,
                                 "num_prompts": args.tree_calibration_num_prompts},
-                            **{f"{kind}_options": options_from_args(args, kind) for kind in OWNERS})
+                            options={kind: options_from_args(args, kind) for kind in owners()})
     runs = run_benchmark(methods, prompts, max_new_tokens=args.max_new_tokens, params=args.params,
                          seed=args.seed, warmup=args.warmup, repeats=args.repeats,
                          progress=not args.no_progress)
@@ -619,7 +287,7 @@ def main(argv=None) -> list[dict]:
         "device": str(target.device), "dtype": dtype_name(target.dtype),
         "attn_implementation": getattr(target.config, "_attn_implementation", None),
         "draft_dtype": None if args.draft_dtype is None else dtype_name(args.draft_dtype),
-        "method_options": {kind: options_from_args(args, kind) for kind in OWNERS},
+        "method_options": {kind: options_from_args(args, kind) for kind in owners()},
         "tree": args.tree,
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -758,12 +426,7 @@ def format_report(report: dict) -> str:
 
 def run_cli(argv=None) -> int:
     """``python -m eval.bench``: errors in the user's input end in one line, not a traceback."""
-    try:
-        main(argv)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"python -m eval.bench: error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(lambda: main(argv), "python -m eval.bench")
 
 
 if __name__ == "__main__":

@@ -24,10 +24,22 @@ import torch
 
 from eval.kv import crop
 from eval.proposers import Proposer
+from eval.runners import (
+    TREE_AUTO,
+    TREE_FIXED,
+    BuildContext,
+    EngineMethod,
+    OptionFlag,
+    int_at_least,
+    parse_tree_nodes,
+    tree_caps,
+)
 from eval.tree import DraftTree
+from eval.tree_auto import auto_eagle_tree
 from heads.eagle import EagleHead, causal_mask
-from heads.public_heads import load_eagle_head
+from heads.medusa_tree import AUTO
 from heads.target import Target, tree_attention_mask
+from layouts.eagle import load_eagle_head
 
 DEFAULT_DEPTH = 5
 DEFAULT_TOPK = 8
@@ -189,3 +201,41 @@ class EagleProposer(Proposer):
             node_of[cand] = len(tree_tokens)
         # extra: each node's cumulative draft log-probability (for inspection and tests)
         return DraftTree(tree_tokens, tree_parents, extra={"scores": tree_scores})
+
+
+# ---------------------------------------------------------------------------------------------
+# the benchmark's method: eagle:<artifact>
+
+EAGLE_FLAGS = (
+    OptionFlag("eagle", EagleProposer.from_artifact, "depth", "--tree-depth", int_at_least(1),
+               "eagle: EAGLE-2 tree depth; medusa: cap on the tree's depth"),
+    OptionFlag("eagle", EagleProposer.from_artifact, "topk", "--tree-topk", int_at_least(1),
+               "eagle: children per expanded node; medusa: cap on the tree's ranks"),
+    OptionFlag("eagle", EagleProposer.from_artifact, "tree_nodes", "--tree-nodes",
+               parse_tree_nodes,
+               "eagle: draft tokens per tree; medusa: rebuild the artifact's tree with this many "
+               "nodes from its stored accuracies, or 'auto': the size that maximises expected "
+               "tau per verification cost measured on this machine"),
+)
+EAGLE_FIXED_OPTIONS = {
+    "name": "the method's name on the command line",
+    "dtype": "--draft-dtype",
+    "allow_other_weights": "--allow-other-weights",
+}
+
+
+def build_eagle(arg: str, name: str, ctx: BuildContext) -> EngineMethod:
+    """``eagle:<artifact>``: EAGLE-2 trees, sized by --tree auto (the options cap the search)."""
+    options = ctx.kind_options("eagle")
+    if ctx.tree == TREE_FIXED and options.get("tree_nodes") == AUTO:
+        raise ValueError("EAGLE trees take a node count; --tree auto (the command line's "
+                         "default) chooses their depth, topk and nodes by measured cost")
+    caps = tree_caps(options, "depth", "topk", "tree_nodes") if ctx.tree == TREE_AUTO else None
+    proposer = EagleProposer.from_artifact(arg, ctx.target, dtype=ctx.draft_dtype, name=name,
+                                           allow_other_weights=ctx.allow_other_weights,
+                                           **options)
+    chosen = None
+    if caps is not None:
+        chosen = auto_eagle_tree(proposer, arg, ctx.target, draft_dtype=ctx.draft_dtype, **caps,
+                                 **ctx.tree_calibration)
+    return EngineMethod(name, ctx.engine, proposer, chosen)

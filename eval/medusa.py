@@ -8,9 +8,9 @@ them with the exact point-mass rule at any temperature, and greedily at temperat
 draft vocabulary rank their draft ids and hand the target ids those map to (``d2t``); the target
 verifies over its whole vocabulary, so exactness does not depend on the draft vocabulary.
 
-The tree's form, its construction from held-out accuracies and its size (``tree_nodes``) live in
-heads/medusa_tree.py; :meth:`MedusaProposer.from_artifact` rebuilds an artifact's tree there for
-another size.
+The tree's form and its construction from held-out accuracies live in heads/medusa_tree.py, its
+size by measured cost in eval/tree_auto.py; :meth:`MedusaProposer.from_artifact` rebuilds an
+artifact's tree for another size.
 
 ``TypicalMedusaProposer`` swaps the exact rule for Medusa's typical acceptance (lossy, flagged
 ``exact = False``, named ``medusa-typical``). In the benchmark: ``--method medusa:<artifact>`` and
@@ -26,17 +26,23 @@ import torch
 
 from eval.acceptance import TreeOutcome, verify_tree
 from eval.proposers import Proposer
+from eval.runners import (
+    TREE_AUTO,
+    BuildContext,
+    EngineMethod,
+    OptionFlag,
+    int_at_least,
+    parse_probability,
+    parse_tree_nodes,
+    tree_caps,
+)
 from eval.sampling import SamplingParams, warp
 from eval.tree import DraftTree
+from eval.tree_auto import auto_medusa_tree, size_medusa_tree
 from heads.medusa import MedusaHeads
-from heads.medusa_tree import (
-    check_tree,
-    check_tree_nodes,
-    choose_tree,
-    prune_tree,
-)
-from heads.public_heads import load_medusa_heads
+from heads.medusa_tree import check_tree, check_tree_nodes, prune_tree
 from heads.target import Target
+from layouts.medusa import load_medusa_heads
 
 DEFAULT_POSTERIOR_THRESHOLD = 0.09
 DEFAULT_POSTERIOR_ALPHA = 0.3
@@ -125,16 +131,16 @@ class MedusaProposer(Proposer):
         if tree_nodes is not None or max_depth is not None or max_topk is not None:
             accuracies = artifact.tree_info.get("rank_accuracies")
             if accuracies is not None:
-                tree, _ = choose_tree(accuracies, heads.num_heads,
-                                      len(artifact.tree) if tree_nodes is None else tree_nodes,
-                                      max_depth=max_depth, max_topk=max_topk,
-                                      target=target, heads=heads)
+                tree, _ = size_medusa_tree(
+                    accuracies, heads.num_heads,
+                    len(artifact.tree) if tree_nodes is None else tree_nodes,
+                    max_depth=max_depth, max_topk=max_topk, target=target, heads=heads)
             elif tree_nodes is not None:
                 raise ValueError(
                     f"the Medusa artifact {path} stores no held-out rank accuracies, so its tree "
                     "cannot be rebuilt for another size: drop tree_nodes (--tree-nodes), or save "
                     "the artifact with tree_info={'rank_accuracies': ...} "
-                    "(heads.medusa_tree.choose_tree gives both)")
+                    "(eval.tree_auto.size_medusa_tree gives both)")
             else:
                 tree = prune_tree(tree, heads.num_heads, max_depth, max_topk)
         if typical:
@@ -227,3 +233,51 @@ class TypicalMedusaProposer(MedusaProposer):
                      generator) -> TreeOutcome:
         return typical_acceptance(tree, target_logits, params, generator,
                                   self.posterior_threshold, self.posterior_alpha)
+
+
+# ---------------------------------------------------------------------------------------------
+# the benchmark's method: medusa:<artifact>, medusa:typical:<artifact>
+
+TYPICAL_PREFIX = "typical:"
+MEDUSA_FLAGS = (
+    OptionFlag("medusa", MedusaProposer.from_artifact, "tree_nodes", "--tree-nodes",
+               parse_tree_nodes, ""),
+    OptionFlag("medusa", MedusaProposer.from_artifact, "max_depth", "--tree-depth",
+               int_at_least(1), ""),
+    OptionFlag("medusa", MedusaProposer.from_artifact, "max_topk", "--tree-topk",
+               int_at_least(1), ""),
+    OptionFlag("medusa", TypicalMedusaProposer, "posterior_threshold",
+               "--medusa-posterior-threshold", parse_probability,
+               "medusa:typical: a node is plausible when the target gives it more than "
+               "min(threshold, alpha * exp(-entropy))"),
+    OptionFlag("medusa", TypicalMedusaProposer, "posterior_alpha", "--medusa-posterior-alpha",
+               parse_probability, "medusa:typical: see --medusa-posterior-threshold"),
+)
+MEDUSA_FIXED_OPTIONS = {
+    "name": "the method's name on the command line",
+    "typical": "medusa:typical:<artifact>",
+    "allow_other_weights": "--allow-other-weights",
+}
+
+
+def build_medusa(arg: str, name: str, ctx: BuildContext) -> EngineMethod:
+    """``medusa:<artifact>`` (exact) or ``medusa:typical:<artifact>`` (Medusa's lossy rule)."""
+    options = ctx.kind_options("medusa")
+    caps = (tree_caps(options, "max_depth", "max_topk", "tree_nodes")
+            if ctx.tree == TREE_AUTO else None)
+    typical = arg.startswith(TYPICAL_PREFIX)
+    path = arg[len(TYPICAL_PREFIX):] if typical else arg
+    if not typical:
+        for key in ("posterior_threshold", "posterior_alpha"):
+            if key in options:
+                raise ValueError(f"--medusa-{key.replace('_', '-')} tunes Medusa's "
+                                 "typical acceptance: use medusa:typical:<artifact>")
+    proposer = MedusaProposer.from_artifact(path, ctx.target, typical=typical, name=name,
+                                            allow_other_weights=ctx.allow_other_weights,
+                                            **options)
+    chosen = None
+    if caps is not None:
+        paths, chosen = auto_medusa_tree(path, ctx.target, proposer.heads, proposer.tree_info,
+                                         **caps, **ctx.tree_calibration)
+        proposer.set_tree(paths)
+    return EngineMethod(name, ctx.engine, proposer, chosen)

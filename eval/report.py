@@ -32,11 +32,11 @@ import netrc
 import os
 import re
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from eval.methods import BENCH_METHODS
 from eval.summary import (
     BOOTSTRAP_RESAMPLES,
     CONFIDENCE,
@@ -44,6 +44,7 @@ from eval.summary import (
     REPORT_VERSION,
     greedy_summary,
 )
+from heads.output_dir import check_writable_file, write_atomic
 
 SECTIONS = (
     ("summary", "Set-up and verdict"),
@@ -59,43 +60,6 @@ SECTIONS = (
 
 # ---------------------------------------------------------------------------------------------
 # files
-
-
-def check_writable(path: str | os.PathLike) -> Path:
-    """Fail now, not after a long run, when ``path`` cannot be written (creates its folder)."""
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"{path} is a directory; give a file name inside it")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=True):
-            pass
-    except OSError as err:
-        raise ValueError(f"cannot write {path}: {err.strerror or err}") from err
-    if path.exists() and not os.access(path, os.W_OK):
-        raise ValueError(f"cannot write {path}: the file is read-only")
-    return path
-
-
-def write_atomic(path: str | os.PathLike, content: str | bytes) -> Path:
-    """Write a file whole or not at all: a temporary file beside it, then a rename.
-
-    The file gets the usual permissions (0666 less the umask), so others can read a report.
-    """
-    path = Path(path)
-    data = content.encode("utf-8") if isinstance(content, str) else content
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
 
 
 class ReportError(ValueError):
@@ -339,12 +303,15 @@ def categories_figure(categories: list[dict]) -> bytes | None:
     return _png(fig)
 
 
-_TOP1 = (re.compile(r"^acc_(\d+)$"), re.compile(r"^medusa/head(\d+)_top1$"))
+def _top1_patterns() -> list[re.Pattern]:
+    """The per-step / per-head top-1 metrics every trainer logs (eval.methods' rows say which)."""
+    return [re.compile(row.top1_metric) for row in BENCH_METHODS.values() if row.top1_metric]
 
 
 def training_figures(runs: list[Metrics]) -> list[tuple[str, bytes | None, str]]:
     """(title, png or None, what is missing) for loss, top-1 per step / head, and eval tau."""
     plt = _pyplot()
+    top1 = _top1_patterns()
 
     def curves(select) -> list[tuple[str, list[int], list[float]]]:
         found = []
@@ -363,7 +330,7 @@ def training_figures(runs: list[Metrics]) -> list[tuple[str, bytes | None, str]]
     for title, select, ylabel in (
         ("Training loss", lambda k: k == "loss", "loss"),
         ("Top-1 accuracy per test-time step (EAGLE: acc_i) or per head (Medusa)",
-         lambda k: any(p.match(k) for p in _TOP1), "top-1 accuracy"),
+         lambda k: any(p.match(k) for p in top1), "top-1 accuracy"),
         ("Acceptance measured while training", lambda k: k == "eval/tau", "tau"),
     ):
         found = curves(select)
@@ -744,7 +711,7 @@ def main(argv=None) -> int:
     p.add_argument("--title", default="draftsmith benchmark report")
     args = p.parse_args(argv)
     try:
-        check_writable(args.out)
+        check_writable_file(args.out)
     except ValueError as err:
         p.error(f"--out: {err}")
     notes, reports, metrics = [], [], []

@@ -10,7 +10,7 @@ cost. Both sides are measured:
   held-out prompts: the head drafts along the true continuation (its own features, the true
   tokens: exactly what it sees on an accepted path) for ``depth`` steps at every position.
 * **Cost** (per machine): the target's verification forward over 1 + n tokens
-  (:func:`heads.medusa_tree.measure_verify_cost`, n = 0 being plain decoding) and the draft's cost
+  (:func:`eval.tree_cost.measure_verify_cost`, n = 0 being plain decoding) and the draft's cost
   per round: for EAGLE, catching up on the accepted tokens plus an EAGLE-2 tree of each depth and
   branching (:func:`measure_eagle_draft_cost`); for Medusa, the heads' proposal.
 
@@ -33,8 +33,6 @@ import datetime
 import hashlib
 import json
 import os
-import platform
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -42,69 +40,37 @@ from pathlib import Path
 
 import torch
 
-from eval.kv import crop
-from eval.report import write_atomic
-from heads.medusa_tree import _interpolate, _sync, grow_medusa_tree, measure_verify_cost, rank_table
+from eval.tree_cost import (
+    COST_CONTEXT,
+    COST_REPEATS,
+    TIMED_SIZES,
+    interpolate,
+    machine_description,
+    machine_key,
+    measure_eagle_draft_cost,
+    measure_head_cost,
+    measure_verify_cost,
+)
+from heads.medusa_tree import AUTO, RankPath, check_tree, choose_tree, grow_medusa_tree, rank_table
+from heads.output_dir import write_atomic
 from heads.target import Target, dtype_name
 
 CALIBRATION_FILE = "tree_calibration.json"
 CALIBRATION_FORMAT = "draftsmith-tree-calibration"
 CALIBRATION_VERSION = 1
-# verification sizes timed (1 = plain decoding); small ones densely, where CPU optima lie
-TIMED_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 MAX_DEPTH, MAX_TOPK, MAX_NODES = 6, 8, 63  # the search's bounds unless the user caps them
 TOPK_CHOICES = (1, 2, 3, 4, 6, 8)
 RANKS_MEASURED = 10  # ranks whose acceptance is measured
 DEFAULT_CALIBRATION_PROMPTS = Path(__file__).resolve().parents[1] / "data/eval/vicuna_bench_question.jsonl"
 CALIBRATION_NUM_PROMPTS = 8
 CALIBRATION_NEW_TOKENS = 64
-COST_CONTEXT = 128  # tokens already cached when a verification or a draft round is timed
-COST_REPEATS = 9  # timings per size (the median is kept): a few % of noise moves a CPU's optimum
 
 
 def log(message: str) -> None:
     print(f"[tree auto] {message}", file=sys.stderr)
 
 
-# ---------------------------------------------------------------------------------------------
-# where and on what the costs were measured
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine_description(target: Target, draft_dtype: torch.dtype | None) -> dict:
-    """What the measured costs depend on: device, its model, threads, software, shapes, precisions."""
-    device = target.device
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model()
-    cfg = target.config
-    return {
-        "device": device.type,
-        "device_name": name,
-        "threads": torch.get_num_threads() if device.type == "cpu" else None,
-        "torch": torch.__version__,
-        "platform": platform.machine(),
-        "target_shape": f"{cfg.model_type} layers={target.num_layers} hidden={target.hidden_size} "
-                        f"vocab={target.vocab_size}",
-        "attn_implementation": getattr(cfg, "_attn_implementation", None),
-        "target_dtype": dtype_name(target.dtype),
-        "draft_dtype": dtype_name(draft_dtype or target.dtype),
-    }
-
-
-def machine_key(description: dict) -> str:
-    text = json.dumps(description, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def weights_digest(artifact: str | os.PathLike) -> str:
+def artifact_weights_digest(artifact: str | os.PathLike) -> str:
     """sha256 over the artifact's own weight files (``*.safetensors`` at its top level)."""
     files = sorted(Path(artifact).glob("*.safetensors"))
     if not files:
@@ -248,48 +214,6 @@ def eagle_rank_accuracies(head, target: Target, prompts: list[list[int]], *,
 
 
 # ---------------------------------------------------------------------------------------------
-# costs
-
-
-@torch.no_grad()
-def measure_eagle_draft_cost(proposer, target: Target, depths, topks, *,
-                             context: int = COST_CONTEXT, accepted: int = 1,
-                             repeats: int = 5, seed: int = 0) -> dict[tuple[int, int], float]:
-    """Median seconds of one EAGLE draft round per (depth, topk): catching up on ``accepted``
-    verified tokens, then the EAGLE-2 tree. The head's cache holds ``context`` entries."""
-    head = proposer.head
-    gen = torch.Generator().manual_seed(seed)
-    seq = torch.randint(0, target.vocab_size, (context + 1,), generator=gen).tolist()
-    out = target.model(input_ids=torch.tensor([seq[:context]], device=target.device),
-                       output_hidden_states=True, use_cache=False, logits_to_keep=1)
-    hidden = [out.hidden_states[i] for i in proposer.hidden_layers]
-    proposer.start(seq[:context], hidden, None, None)  # catches up on context - 1 entries
-    fused = proposer._fuse(hidden)  # (1, context, h)
-    saved = (proposer.root_hidden, proposer.root_logits)
-    base = proposer.cached
-    settings = (proposer.depth, proposer.topk, proposer.tree_nodes)
-    times: dict[tuple[int, int], list[float]] = {(d, k): [] for d in depths for k in topks}
-    try:
-        for _ in range(repeats + 1):
-            for d, k in times:
-                proposer.depth, proposer.topk = d, k
-                proposer.tree_nodes = k + (d - 1) * k * k
-                # rewind: the last ``accepted`` entries are to be caught up on again
-                crop(proposer.cache, base - accepted)
-                proposer.cached = base - accepted
-                proposer.pending = fused[:, base - accepted: base + 1]
-                _sync(head.device)
-                start = time.perf_counter()
-                proposer.propose(seq, d)
-                _sync(head.device)
-                times[(d, k)].append(time.perf_counter() - start)
-    finally:
-        proposer.depth, proposer.topk, proposer.tree_nodes = settings
-        proposer.root_hidden, proposer.root_logits = saved
-    return {key: statistics.median(t[1:]) for key, t in times.items()}
-
-
-# ---------------------------------------------------------------------------------------------
 # the choice
 
 
@@ -341,7 +265,7 @@ def choose_eagle_tree(rank_accuracies, verify_seconds: dict[int, float],
         tau, top = 1.0, None
         for n, (_, value) in enumerate(grown, start=1):
             tau += value
-            cost = _interpolate(verify_seconds, n + 1) + draft
+            cost = interpolate(verify_seconds, n + 1) + draft
             row = {"depth": d, "topk": k, "tree_nodes": n, "expected_tau": tau,
                    "round_seconds": cost, "predicted_speedup": tau * plain / cost}
             if top is None or row["predicted_speedup"] > top["predicted_speedup"]:
@@ -359,6 +283,98 @@ def choose_eagle_tree(rank_accuracies, verify_seconds: dict[int, float],
     top = best[1]
     return EagleTreeChoice(top["depth"], top["topk"], top["tree_nodes"], top["expected_tau"],
                            top["predicted_speedup"], top["round_seconds"], plain, table)
+
+
+@dataclass
+class TreeChoice:
+    tree_nodes: int
+    tree: list[RankPath]
+    expected_tau: float
+    predicted_speedup: float  # expected tokens/s over plain decoding under the cost model
+    table: list[dict] = field(default_factory=list)  # per size: nodes, expected_tau, cost, speedup
+
+
+def choose_tree_nodes(rank_accuracies, verify_seconds: dict[int, float],
+                      head_seconds: float = 0.0, max_tree_nodes: int | None = None) -> TreeChoice:
+    """The size n maximising expected_tau(n) / (cost(1 + n) + head cost), relative to plain.
+
+    ``verify_seconds[m]`` is the cost of verifying m tokens (:func:`measure_verify_cost`; needs
+    m = 1, the plain decoding step); costs between measured sizes are interpolated, so n stops at
+    the largest measured size minus one (or ``max_tree_nodes``). A ``predicted_speedup`` below 1
+    says that on this machine Medusa with these heads is not expected to beat plain decoding.
+    """
+    if 1 not in verify_seconds:
+        raise ValueError("verify_seconds needs the cost of 1 token (plain decoding) as a baseline")
+    limit = max(verify_seconds) - 1
+    if max_tree_nodes is not None:
+        limit = min(limit, max_tree_nodes)
+    if limit < 1:
+        raise ValueError(f"measure verification of at least 2 tokens (got {sorted(verify_seconds)})")
+    grown = grow_medusa_tree(rank_accuracies, limit)
+    plain = verify_seconds[1]
+    table, tau = [], 1.0
+    for n, (_, value) in enumerate(grown, start=1):
+        tau += value
+        cost = interpolate(verify_seconds, n + 1) + head_seconds
+        table.append({"nodes": n, "expected_tau": tau, "cost_ratio": cost / plain,
+                      "predicted_speedup": tau * plain / cost})
+    best = max(table, key=lambda row: (row["predicted_speedup"], -row["nodes"]))
+    n = best["nodes"]
+    tree = check_tree([p for p, _ in grown[:n]], len(rank_table(rank_accuracies)))
+    return TreeChoice(n, tree, best["expected_tau"], best["predicted_speedup"], table)
+
+
+def plan_medusa_tree(target: Target, heads, rank_accuracies, sizes=TIMED_SIZES,
+                     context: int = COST_CONTEXT,
+                     repeats: int = COST_REPEATS) -> tuple[list[RankPath], dict]:
+    """Measure costs here, choose the size, build the tree -> (tree, tree_info for save_medusa).
+
+    tree_info carries the costs as a calibration's machine entry does (``verify_seconds``,
+    ``head_seconds``, ``head_shape``, ``machine_key``), so ``--tree auto`` on the same machine
+    uses them instead of measuring again."""
+    acc = rank_table(rank_accuracies)
+    if len(acc) > heads.num_heads:
+        raise ValueError(f"accuracies for {len(acc)} heads but the heads have {heads.num_heads}")
+    verify = measure_verify_cost(target, sizes, context=context, repeats=repeats)
+    head_cost = measure_head_cost(heads, depth=len(acc), topk=len(acc[0]))
+    choice = choose_tree_nodes(acc, verify, head_cost)
+    description = machine_description(target, None)
+    info = {
+        "rank_accuracies": acc,
+        "tree_nodes": choice.tree_nodes,
+        "expected_tau": choice.expected_tau,
+        "predicted_speedup": choice.predicted_speedup,
+        "verify_seconds": {str(k): v for k, v in verify.items()},
+        "head_seconds": head_cost,
+        "measured_on": f"{target.device.type} {dtype_name(target.dtype)}",
+        "head_shape": [len(acc), len(acc[0])],
+        "context": context,
+        "machine": description,
+        "machine_key": machine_key(description),
+    }
+    return choice.tree, info
+
+
+
+
+def size_medusa_tree(rank_accuracies, num_heads: int, tree_nodes: int | str = AUTO, *,
+                     max_depth: int | None = None, max_topk: int | None = None,
+                     target: Target | None = None, heads=None) -> tuple[list[RankPath], dict]:
+    """The Medusa trainer's tree: :func:`heads.medusa_tree.choose_tree` for a node count, or for
+    "auto" the count that maximises expected tau per cost measured here (needs ``target`` and
+    ``heads``) -> (tree, tree_info)."""
+    if tree_nodes != AUTO or rank_accuracies is None:
+        return choose_tree(rank_accuracies, num_heads, 1 if tree_nodes == AUTO else tree_nodes,
+                           max_depth=max_depth, max_topk=max_topk)
+    if target is None or heads is None:
+        raise ValueError("tree_nodes 'auto' measures this machine's cost of verification: "
+                         "pass target= and heads=, or give a node count")
+    acc = rank_table(rank_accuracies)[:num_heads]
+    if max_depth is not None:
+        acc = acc[:max_depth]
+    if max_topk is not None:
+        acc = [row[:max_topk] for row in acc]
+    return plan_medusa_tree(target, heads, acc)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,7 +419,7 @@ def auto_eagle_tree(proposer, artifact: str | os.PathLike, target: Target, *,
     max_topk = MAX_TOPK if max_topk is None else max_topk
     max_nodes = MAX_NODES if max_nodes is None else max_nodes
     calibration = Calibration.load(artifact)
-    digest = weights_digest(artifact)
+    digest = artifact_weights_digest(artifact)
     changed = False
     acceptance = calibration.acceptance.get(digest)
     if acceptance is None:
@@ -519,14 +535,12 @@ def auto_medusa_tree(artifact: str | os.PathLike, target: Target, heads, tree_in
     else measured on ``calibration_prompts`` and kept in the calibration file; the costs
     (verification, the heads' proposal) are this machine's, measured once and kept.
     """
-    from heads.medusa_tree import choose_tree_nodes, measure_head_cost
-
     calibration = Calibration.load(artifact)
     changed = False
     acc = tree_info.get("rank_accuracies")
     source = "the artifact's held-out accuracies"
     if acc is None:
-        digest = weights_digest(artifact)
+        digest = artifact_weights_digest(artifact)
         stats = calibration.acceptance.get(digest)
         if stats is None:
             log(f"{artifact}: the artifact stores no held-out accuracies; measuring them on "
@@ -549,6 +563,11 @@ def auto_medusa_tree(artifact: str | os.PathLike, target: Target, heads, tree_in
     key = machine_key(description)
     costs = calibration.machines.get(key)
     depth, topk = len(acc), len(acc[0])
+    if (costs is None or costs.get("head_shape") != [depth, topk]) and (
+            tree_info.get("machine_key") == key and tree_info.get("head_shape") == [depth, topk]):
+        # the trainer sized the artifact's tree on this machine: its costs are this machine's
+        costs = {k: tree_info[k] for k in ("machine", "verify_seconds", "head_seconds",
+                                           "head_shape", "context")}
     if costs is None or costs.get("head_shape") != [depth, topk]:
         others = sum(1 for k in calibration.machines if k != key)
         log(f"{artifact}: measuring this machine's costs"
@@ -566,7 +585,7 @@ def auto_medusa_tree(artifact: str | os.PathLike, target: Target, heads, tree_in
     verify = {int(n): s for n, s in costs["verify_seconds"].items()}
     limit = MAX_NODES if max_nodes is None else max_nodes
     choice = choose_tree_nodes(acc, verify, costs["head_seconds"], max_tree_nodes=limit)
-    round_seconds = _interpolate(verify, choice.tree_nodes + 1) + costs["head_seconds"]
+    round_seconds = interpolate(verify, choice.tree_nodes + 1) + costs["head_seconds"]
     record = {"mode": "auto", "depth": max(len(p) for p in choice.tree),
               "topk": max(max(p) for p in choice.tree) + 1, "tree_nodes": choice.tree_nodes,
               "expected_tau": choice.expected_tau, "predicted_speedup": choice.predicted_speedup,

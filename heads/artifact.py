@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -21,7 +22,8 @@ from heads.file_formats import load_safetensors, read_json_object
 from heads.output_dir import write_dir
 
 FORMAT_VERSION = 1
-METHODS = ("eagle1", "eagle3", "medusa", "draft")
+# an artifact method names the files that read it: lower-case letters, digits, "_" and "-"
+_METHOD_NAME = re.compile(r"[a-z][a-z0-9_-]*")
 
 
 def save_artifact(directory: str | os.PathLike, method: str, config: dict,
@@ -32,8 +34,9 @@ def save_artifact(directory: str | os.PathLike, method: str, config: dict,
     An existing ``directory`` is replaced when it is an earlier artifact (or empty); anything else
     only with ``overwrite=True``.
     """
-    if method not in METHODS:
-        raise ValueError(f"unknown artifact method {method!r}; expected one of {METHODS}")
+    if not isinstance(method, str) or not _METHOD_NAME.fullmatch(method):
+        raise ValueError(f"artifact method {method!r} must be a lower-case name such as "
+                         "'eagle3' (heads.methods.HEAD_METHODS lists the methods)")
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
     meta = {"method": method, "format_version": FORMAT_VERSION, "target": target_identity,
             **config}

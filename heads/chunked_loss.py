@@ -338,3 +338,17 @@ def projected_argmax(states: torch.Tensor, head: nn.Module,
         out[start:start + chunk_size] = _teacher_logits(head, states[start:start + chunk_size]) \
             .argmax(-1)
     return out
+
+
+def next_token_mask(loss_mask: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) loss mask over tokens -> (batch, seq) mask over the logits predicting them.
+
+    ``loss_mask[:, t] = 1`` means token t is to be predicted; the logits at position t - 1 predict
+    it. Passing the full (batch, seq, vocab) logits with this mask avoids slicing ``[:, :-1]``.
+    """
+    if loss_mask.dim() < 1:
+        raise ValueError("loss_mask needs a sequence dimension, got shape "
+                         f"{tuple(loss_mask.shape)}")
+    shifted = torch.zeros_like(loss_mask)
+    shifted[..., :-1] = loss_mask[..., 1:]
+    return shifted

@@ -1,4 +1,4 @@
-"""The static Medusa token tree: its form, how it is built from measured accuracies, its size.
+"""The static Medusa token tree: its form and how it is built from measured accuracies.
 
 A tree is a list of paths, each a tuple of top-k ranks per depth (the Medusa repo's
 ``medusa_choices``): ``(0, 2)`` is "head 1's best token, then head 2's third best". Depth d is
@@ -12,34 +12,22 @@ ranks along its path (the chance that the whole path is right, heads taken as in
 nodes are added best first, a node only after its parent and its next-likelier sibling.
 ``1 + sum(values)`` is the expected tau (:func:`expected_tau`).
 
-Its size is ``tree_nodes``: a node count, or ``"auto"``, the count that maximises expected tau per
-measured cost on this machine (:func:`plan_medusa_tree`: the cost of verifying 1 + n tokens in
-one target forward, :func:`measure_verify_cost`, plus the heads' own cost,
-:func:`measure_head_cost`). :func:`choose_tree` is the one entry point for all of these: the
-trainer calls it for the artifact's tree and for its training-time evaluation, and the evaluator
-calls it to rebuild a stored tree for another size.
+Its size is ``tree_nodes``: a node count (:func:`choose_tree`, which the evaluator also uses to
+rebuild a stored tree for another size), or ``"auto"``, the count that maximises expected tau per
+cost measured on this machine, which is the tree sizing's job (:mod:`eval.tree_auto`, with its
+timings in :mod:`eval.tree_cost`): the Medusa trainer and ``--tree auto`` both size trees there.
 """
 
 from __future__ import annotations
 
 import heapq
 import numbers
-import statistics
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from heads.target import Target, dtype_name, tree_attention_mask
-
-if TYPE_CHECKING:
-    from heads.medusa import MedusaHeads
-
 RankPath = tuple[int, ...]
 AUTO = "auto"  # the tree_nodes value that sizes the tree by measured cost
-VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)  # tokens per verification forward timed by "auto"
 
 
 def check_tree(paths, num_heads: int) -> list[RankPath]:
@@ -163,175 +151,21 @@ def expected_tau(tree, rank_accuracies) -> float:
     return total
 
 
-# ---------------------------------------------------------------------------------------------
-# the size from the measured cost of verification
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@torch.no_grad()
-def measure_verify_cost(target: Target, sizes=VERIFY_SIZES, context: int = 128,
-                        repeats: int = 5, seed: int = 0) -> dict[int, float]:
-    """Median seconds of one verification forward over n tokens (root + n-1 tree nodes).
-
-    The forward is the engine's: ``context`` tokens already cached, a 4-D tree mask and per-node
-    positions for n > 1, the final hidden state collected, the cache cropped back afterwards.
-    """
-    from transformers import DynamicCache
-
-    sizes = sorted({int(n) for n in sizes})
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    if not sizes or sizes[0] < 1:
-        raise ValueError(f"sizes must be token counts >= 1, got {sizes}")
-    if context < 1 or context + sizes[-1] > target.max_context:
-        raise ValueError(f"context {context} + {sizes[-1]} tokens must fit the target's context "
-                         f"of {target.max_context}")
-    model, device, dtype = target.model, target.device, target.dtype
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, target.vocab_size, (1, context + sizes[-1]), generator=gen)
-    cache = DynamicCache(config=model.config)
-    model(input_ids=ids[:, :context].to(device), cache=cache, use_cache=True, logits_to_keep=1)
-    calls = {}
-    for n in sizes:
-        kwargs = {}
-        if n > 1:
-            # the mask's shape sets the cost of the forward, not its pattern: a chain will do
-            allowed = torch.ones(n, n, dtype=torch.bool).tril()
-            kwargs["attention_mask"] = tree_attention_mask(allowed, context, dtype, device)
-            kwargs["position_ids"] = torch.arange(context, context + n, device=device)[None]
-        calls[n] = (ids[:, context:context + n].to(device), kwargs)
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    # sizes interleaved within each repeat, so drifting machine load hits them alike; the first
-    # repeat pays for warm-up and is dropped
-    for _ in range(repeats + 1):
-        for n in sizes:
-            block, kwargs = calls[n]
-            _sync(device)
-            start = time.perf_counter()
-            out = model(input_ids=block, cache=cache, use_cache=True, output_hidden_states=True,
-                        **kwargs)
-            out.hidden_states[target.num_layers].sum().item()
-            _sync(device)
-            times[n].append(time.perf_counter() - start)
-            cache.crop(-n)  # drop the n verified tokens (transformers 5: a negative count)
-    return {n: statistics.median(t[1:]) for n, t in times.items()}
-
-
-@torch.no_grad()
-def measure_head_cost(heads: MedusaHeads, depth: int | None = None, topk: int = 10,
-                      repeats: int = 20) -> float:
-    """Median seconds for the heads' proposal of one round: ``depth`` heads on h_t, then top-k."""
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    depth = heads.num_heads if depth is None else min(depth, heads.num_heads)
-    param = next(heads.parameters(), None)
-    weight = heads.lm_head_weight(0)
-    device = param.device if param is not None else weight.device
-    h = torch.randn(heads.config.hidden_size, device=device,
-                    dtype=param.dtype if param is not None else weight.dtype)
-    times = []
-    for _ in range(repeats + 1):
-        _sync(device)
-        start = time.perf_counter()
-        heads.top_tokens(h, min(topk, heads.config.head_vocab_size), num=depth).cpu()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
-
-
-def _interpolate(costs: dict[int, float], n: int) -> float:
-    """Cost of n tokens, linear between the measured sizes."""
-    sizes = sorted(costs)
-    if n in costs:
-        return costs[n]
-    if not sizes[0] <= n <= sizes[-1]:
-        raise ValueError(f"no cost measured around {n} tokens (measured {sizes})")
-    hi = next(s for s in sizes if s > n)
-    lo = max(s for s in sizes if s < n)
-    w = (n - lo) / (hi - lo)
-    return costs[lo] * (1 - w) + costs[hi] * w
-
-
-@dataclass
-class TreeChoice:
-    tree_nodes: int
-    tree: list[RankPath]
-    expected_tau: float
-    predicted_speedup: float  # expected tokens/s over plain decoding under the cost model
-    table: list[dict] = field(default_factory=list)  # per size: nodes, expected_tau, cost, speedup
-
-
-def choose_tree_nodes(rank_accuracies, verify_seconds: dict[int, float],
-                      head_seconds: float = 0.0, max_tree_nodes: int | None = None) -> TreeChoice:
-    """The size n maximising expected_tau(n) / (cost(1 + n) + head cost), relative to plain.
-
-    ``verify_seconds[m]`` is the cost of verifying m tokens (:func:`measure_verify_cost`; needs
-    m = 1, the plain decoding step); costs between measured sizes are interpolated, so n stops at
-    the largest measured size minus one (or ``max_tree_nodes``). A ``predicted_speedup`` below 1
-    says that on this machine Medusa with these heads is not expected to beat plain decoding.
-    """
-    if 1 not in verify_seconds:
-        raise ValueError("verify_seconds needs the cost of 1 token (plain decoding) as a baseline")
-    limit = max(verify_seconds) - 1
-    if max_tree_nodes is not None:
-        limit = min(limit, max_tree_nodes)
-    if limit < 1:
-        raise ValueError(f"measure verification of at least 2 tokens (got {sorted(verify_seconds)})")
-    grown = grow_medusa_tree(rank_accuracies, limit)
-    plain = verify_seconds[1]
-    table, tau = [], 1.0
-    for n, (_, value) in enumerate(grown, start=1):
-        tau += value
-        cost = _interpolate(verify_seconds, n + 1) + head_seconds
-        table.append({"nodes": n, "expected_tau": tau, "cost_ratio": cost / plain,
-                      "predicted_speedup": tau * plain / cost})
-    best = max(table, key=lambda row: (row["predicted_speedup"], -row["nodes"]))
-    n = best["nodes"]
-    tree = check_tree([p for p, _ in grown[:n]], len(rank_table(rank_accuracies)))
-    return TreeChoice(n, tree, best["expected_tau"], best["predicted_speedup"], table)
-
-
-def plan_medusa_tree(target: Target, heads: MedusaHeads, rank_accuracies,
-                     sizes=VERIFY_SIZES, context: int = 128,
-                     repeats: int = 5) -> tuple[list[RankPath], dict]:
-    """Measure costs here, choose the size, build the tree -> (tree, tree_info for save_medusa)."""
-    acc = rank_table(rank_accuracies)
-    if len(acc) > heads.num_heads:
-        raise ValueError(f"accuracies for {len(acc)} heads but the heads have {heads.num_heads}")
-    verify = measure_verify_cost(target, sizes, context=context, repeats=repeats)
-    head_cost = measure_head_cost(heads, depth=len(acc), topk=len(acc[0]))
-    choice = choose_tree_nodes(acc, verify, head_cost)
-    info = {
-        "rank_accuracies": acc,
-        "tree_nodes": choice.tree_nodes,
-        "expected_tau": choice.expected_tau,
-        "predicted_speedup": choice.predicted_speedup,
-        "verify_seconds": {str(k): v for k, v in verify.items()},
-        "head_seconds": head_cost,
-        "measured_on": f"{target.device.type} {dtype_name(target.dtype)}",
-    }
-    return choice.tree, info
-
-
-def choose_tree(rank_accuracies, num_heads: int, tree_nodes: int | str = AUTO, *,
-                max_depth: int | None = None, max_topk: int | None = None,
-                target: Target | None = None,
-                heads: MedusaHeads | None = None) -> tuple[list[RankPath], dict]:
-    """The static tree from held-out per-rank accuracies -> (tree, tree_info).
+def choose_tree(rank_accuracies, num_heads: int, tree_nodes: int, *,
+                max_depth: int | None = None,
+                max_topk: int | None = None) -> tuple[list[RankPath], dict]:
+    """The static tree of ``tree_nodes`` nodes from held-out per-rank accuracies -> (tree, info).
 
     ``rank_accuracies`` (K, R), or None when nothing was measured: then each head's top-1 chain,
-    with a note in tree_info. ``tree_nodes``: a node count, or "auto" (the count that maximises
-    expected tau per cost measured on this machine; needs ``target`` and ``heads``).
-    ``max_depth`` / ``max_topk`` cap the tree's depth and ranks. ``tree_info`` records how the
-    tree was chosen (``rank_accuracies``, ``tree_nodes``, ``expected_tau`` and, for "auto", the
-    measured costs and ``predicted_speedup``); saved with the artifact, it lets the evaluator
-    rebuild the tree for another size.
+    with a note in tree_info. ``max_depth`` / ``max_topk`` cap the tree's depth and ranks.
+    ``tree_info`` records how the tree was chosen (``rank_accuracies``, ``tree_nodes``,
+    ``expected_tau``); saved with the artifact, it lets the evaluator rebuild the tree for
+    another size. A size by measured cost ("auto") is :func:`eval.tree_auto.size_medusa_tree`.
     """
-    check_tree_nodes(tree_nodes)
+    if tree_nodes == AUTO:
+        raise ValueError("tree_nodes 'auto' is sized by this machine's measured costs: "
+                         "eval.tree_auto.size_medusa_tree, or give a node count")
+    check_tree_nodes(tree_nodes, allow_auto=False)
     for name, value in (("max_depth", max_depth), ("max_topk", max_topk)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 1):
@@ -344,11 +178,6 @@ def choose_tree(rank_accuracies, num_heads: int, tree_nodes: int | str = AUTO, *
         acc = acc[:max_depth]
     if max_topk is not None:
         acc = [row[:max_topk] for row in acc]
-    if tree_nodes == AUTO:
-        if target is None or heads is None:
-            raise ValueError("tree_nodes 'auto' measures this machine's cost of verification: "
-                             "pass target= and heads=, or give a node count")
-        return plan_medusa_tree(target, heads, acc)
     tree = build_medusa_tree(acc, tree_nodes)
     return tree, {"rank_accuracies": acc, "tree_nodes": tree_nodes,
                   "expected_tau": expected_tau(tree, acc)}

@@ -1,4 +1,4 @@
-"""Atomic directory writes: the one way draftsmith creates or replaces a directory.
+"""Atomic writes: the one way draftsmith creates or replaces a directory, or a single file.
 
     write_dir(dest, fill, kind="export", protect=[source])
 
@@ -102,7 +102,7 @@ def check_destination(
     )
 
 
-def check_writable(path: str | os.PathLike, what: str = "output directory") -> Path:
+def check_writable_dir(path: str | os.PathLike, what: str = "output directory") -> Path:
     """Refuse a directory path that cannot be created or written; -> its absolute path.
 
     Checks without writing anything: ``path`` (or, while it does not exist, its nearest existing
@@ -120,6 +120,44 @@ def check_writable(path: str | os.PathLike, what: str = "output directory") -> P
         where = "is not writable" if existing == path else f"cannot be created in {existing}"
         raise ValueError(f"{what} {path} {where} (no write permission, or a read-only file "
                          "system); choose a path you can write")
+    return path
+
+
+def check_writable_file(path: str | os.PathLike) -> Path:
+    """Fail now, not after a long run, when the file ``path`` cannot be written (creates its
+    folder)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory; give a file name inside it")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=True):
+            pass
+    except OSError as err:
+        raise ValueError(f"cannot write {path}: {err.strerror or err}") from err
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"cannot write {path}: the file is read-only")
+    return path
+
+
+def write_atomic(path: str | os.PathLike, content: str | bytes) -> Path:
+    """Write a file whole or not at all: a temporary file beside it, then a rename.
+
+    The file gets the usual permissions (0666 less the umask), so others can read a report.
+    """
+    path = Path(path)
+    data = content.encode("utf-8") if isinstance(content, str) else content
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

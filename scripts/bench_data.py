@@ -73,7 +73,8 @@ def regen(args) -> None:
     from transformers import AutoTokenizer
 
     from heads.target import load_target, resolve_target
-    from train.data import HFBackend, OpenAIBackend, regenerate
+    from train.regenerate import regenerate
+    from train.regenerate_backends import HFBackend, OpenAIBackend
 
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_target("smollm2-135m")))

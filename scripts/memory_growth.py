@@ -108,7 +108,8 @@ def child(spec: dict) -> dict:
     mask = torch.ones_like(ids)
     loss_mask = torch.ones_like(ids)
     if kind in ("eagle3", "eagle1"):
-        from heads.eagle import EagleConfig, EagleHead, EagleLoss, build_draft_vocab
+        from heads.eagle import EagleConfig, EagleHead, build_draft_vocab
+        from heads.eagle_loss import EagleLoss
 
         target = wrap_target(_model(spec["width"], layers=4), name=spec["width"])
         version = 3 if kind == "eagle3" else 1
@@ -132,12 +133,13 @@ def child(spec: dict) -> dict:
             loss.backward()
     elif kind == "medusa1":
         from heads.medusa import MedusaHeads
-        from train.medusa import MedusaObjective, MedusaTrainConfig
+        from heads.medusa_loss import MedusaObjective
+        from train.medusa import MedusaTrainConfig, loss_options
 
         target = wrap_target(_model(spec["width"], layers=1), name=spec["width"])
         heads = MedusaHeads.from_target(target, num_heads=spec["heads"], share_lm_head=True)
-        model = MedusaObjective(heads, target, MedusaTrainConfig(num_heads=spec["heads"],
-                                                                 share_lm_head=True))
+        model = MedusaObjective(heads, target, **loss_options(
+            MedusaTrainConfig(num_heads=spec["heads"], share_lm_head=True)))
         teacher = torch.randn(1, t, h)
 
         def step():

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from heads.target import load_target  # noqa: E402
-from train.data import load_prompts  # noqa: E402
+from train.regenerate import load_prompts  # noqa: E402
 
 SOURCES = {  # file -> at most this many prompts
     "data/train/sharegpt_first_turns.json": 2600,

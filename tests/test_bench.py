@@ -19,17 +19,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 import eval.bench as bench
 from distill.draft import load_draft
 from eval.acceptance import DepthCounts
-from eval.bench import (
-    FIXED_OPTIONS,
-    OPTION_FLAGS,
-    OWNERS,
-    build_methods,
-    explain_differences,
-    run_benchmark,
-)
+from eval.bench import explain_differences, run_benchmark
+from eval.draft import DraftModelProposer
 from eval.engine import SpeculativeEngine, measure_acceptance
+from eval.methods import build_methods, fixed_options, option_flags, options_from_args, owners
 from eval.prompts import Prompt, load_prompts, read_prompts
-from eval.proposers import DraftModelProposer
 from eval.sampling import SamplingParams
 from eval.summary import (
     DIVERGED,
@@ -114,15 +108,15 @@ def run(files, tmp_path_factory):
 
 
 def test_every_proposer_option_has_a_flag_or_is_fixed_on_purpose():
-    covered = {(f.kind, f.keyword) for f in OPTION_FLAGS}
+    covered = {(f.kind, f.keyword) for f in option_flags()}
     skip = {"self", "model", "head", "path", "target", "heads", "tree"}
-    for kind, owner in OWNERS.items():
+    for kind, owner in owners().items():
         for name, param in inspect.signature(owner).parameters.items():
             if name in skip or param.kind is param.VAR_KEYWORD:
                 continue
-            assert (kind, name) in covered or (kind, name) in FIXED_OPTIONS, (kind, name)
+            assert (kind, name) in covered or (kind, name) in fixed_options(), (kind, name)
     # defaults are the library's own, read from its signatures (one default per option)
-    flags = {(f.kind, f.keyword): f for f in OPTION_FLAGS}
+    flags = {(f.kind, f.keyword): f for f in option_flags()}
     assert flags[("pld", "tree_nodes")].default == 10
     assert flags[("eagle", "tree_nodes")].default == 32
     assert flags[("medusa", "posterior_threshold")].default == 0.09
@@ -133,11 +127,11 @@ def test_flags_map_to_typed_options():
                              "--tree-nodes", "auto", "--tree-depth", "3",
                              "--draft-branching", "3,2", "--draft-children", "sample",
                              "--medusa-posterior-alpha", "0.5", "--draft-dtype", "bf16"])
-    assert bench.options_from_args(args, "pld") == {"tree_nodes": 7}
-    assert bench.options_from_args(args, "eagle") == {"tree_nodes": "auto", "depth": 3}
-    assert bench.options_from_args(args, "medusa") == {"tree_nodes": "auto", "max_depth": 3,
+    assert options_from_args(args, "pld") == {"tree_nodes": 7}
+    assert options_from_args(args, "eagle") == {"tree_nodes": "auto", "depth": 3}
+    assert options_from_args(args, "medusa") == {"tree_nodes": "auto", "max_depth": 3,
                                                        "posterior_alpha": 0.5}
-    assert bench.options_from_args(args, "draft") == {"branching": [3, 2], "children": "sample"}
+    assert options_from_args(args, "draft") == {"branching": [3, 2], "children": "sample"}
     assert args.draft_dtype == torch.bfloat16
 
 
@@ -350,7 +344,7 @@ PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 9, 10], [20, 21, 20, 21, 20
 
 def test_a_broken_verifier_is_caught_as_a_real_divergence(monkeypatch):
     target = wrap_target(tiny_model(seed=5), name="tiny")
-    methods = build_methods(["hf", "pld"], target, pld_options={"max_ngram": 2})
+    methods = build_methods(["hf", "pld"], target, options={"pld": {"max_ngram": 2}})
 
     def accept_everything(self, tree, logits, params, generator):
         path = list(range(1, len(tree) + 1)) if tree.is_chain else []
@@ -386,7 +380,7 @@ def test_a_tie_within_rounding_is_identical_up_to_numerics():
     model.register_forward_pre_hook(count_fed, with_kwargs=True)
     model.lm_head.register_forward_hook(rounding)
     target = wrap_target(model, name="tiny-bf16")
-    methods = build_methods(["hf", "pld"], target, pld_options={"max_ngram": 1})
+    methods = build_methods(["hf", "pld"], target, options={"pld": {"max_ngram": 1}})
     records = _runs_and_report(target, methods, [[40, 40, 40, 40]])
     pld = records["pld"]
     assert pld["greedy_identical"] is False, "the setup should make the outputs differ"

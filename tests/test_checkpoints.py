@@ -56,7 +56,7 @@ ACCELERATE_CONFIGS = REPO / "configs" / "accelerate"
 
 # 20 rows and a global batch of 8 (4 rows x 2 micro-batches): 2 optimizer steps per epoch, so a
 # 6-step run crosses two epoch boundaries and a stop at step 3 falls mid-epoch.
-BASE = dict(target="tiny-llama", max_steps=6, per_device_batch_size=4, gradient_accumulation_steps=2, num_rows=20,
+BASE = dict(target="tiny-llama", mixed_precision="no", max_steps=6, per_device_batch_size=4, gradient_accumulation_steps=2, num_rows=20,
             warmup_steps=2, lr_schedule="cosine", learning_rate=1e-2, save_every=2,
             keep_checkpoints=None, log_every=1, eval_every=0, head_dropout=0.1, head_noise=0.05)
 

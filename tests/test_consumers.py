@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from heads.consumer_check import install_speculators, run_speculators_check
-from heads.eagle import EagleConfig, EagleHead, build_draft_vocab, save_eagle, target_features
-from heads.export import export
+from heads.eagle import EagleConfig, EagleHead, build_draft_vocab, save_eagle
+from heads.eagle_loss import target_features
+from layouts.consumer_check import install_speculators, run_speculators_check
+from layouts.export import export
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ def test_speculators_loads_our_eagle3_export(tmp_path, smollm2, speculators_pyth
 @pytest.mark.slow
 def test_export_check_runs_speculators_when_its_venv_exists(tmp_path, smollm2, speculators_python,
                                                             capsys):
-    from heads.export import main
+    from layouts.export import main
 
     cfg = EagleConfig.from_target(smollm2, 3, draft_vocab_size=8192)
     d2t, t2d = build_draft_vocab(torch.arange(smollm2.vocab_size) % 97, 8192)

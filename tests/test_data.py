@@ -16,15 +16,15 @@ from transformers import AutoTokenizer
 from heads.file_formats import FileFormatError
 from heads.target import resolve_target
 from train import data
+from train import regenerate as regeneration
 from train.data import (
     RowError,
     collate_causal_lm,
-    load_prompts,
     load_sft_dataset,
     read_conversations,
     tokenize_conversation,
-    user_turns,
 )
+from train.regenerate import load_prompts, user_turns
 
 # Rows copied from ../shared/data/train (see its SOURCES.md), one list per file.
 CODEGEN = [  # gpteacher_codegen_instruct.json rows 3154, 2449
@@ -409,7 +409,7 @@ def test_user_turns_split_at_answers():
 
 def test_inspect_command_line(tokenizer, tmp_path, capsys):
     qa = write(tmp_path, "gsm8k.jsonl", GSM8K)
-    data.main(["inspect", "--target", "smollm2-135m", "--data", qa, "--cache-dir",
+    regeneration.main(["inspect", "--target", "smollm2-135m", "--data", qa, "--cache-dir",
                str(tmp_path / "cache"), "--num-proc", "1"])
     out = capsys.readouterr().out
     assert f"{qa} (question-answer): 2 rows, 2 used" in out and "2 sequences, longest" in out

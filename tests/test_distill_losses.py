@@ -16,10 +16,10 @@ from distill.losses import (
     expected_acceptance,
     forward_kl,
     jsd,
-    next_token_mask,
     reverse_kl,
     tvd,
 )
+from heads.chunked_loss import next_token_mask
 
 VOCAB = 11
 

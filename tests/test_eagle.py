@@ -9,6 +9,7 @@ alignment, positions and the index convention (a random head would be accepted b
 from __future__ import annotations
 
 import copy
+import gc
 import json
 from pathlib import Path
 
@@ -24,15 +25,13 @@ from eval.sampling import SamplingParams
 from heads.eagle import (
     EagleConfig,
     EagleHead,
-    EagleLoss,
     build_draft_vocab,
     check_vocab_maps,
     count_tokens,
-    eagle_loss,
     load_eagle,
     save_eagle,
-    target_features,
 )
+from heads.eagle_loss import EagleLoss, eagle_loss, target_features
 from heads.target import wrap_target
 from train.data import collate_causal_lm
 
@@ -276,6 +275,10 @@ def test_eagle_loss_module_trains_under_ddp(tmp_path, target, batch, maps, versi
         ddp = torch.nn.parallel.DistributedDataParallel(EagleLoss(head, steps=2, feature_noise=0.0))
         ddp_loss, metrics = ddp(b)
         ddp_loss.backward()
+        # the reducer goes before its process group: freed after destroy_process_group, its
+        # gloo group's destructor can wait forever on a worker thread (seen on torch 2.13)
+        del ddp
+        gc.collect()
     finally:
         dist.destroy_process_group()
     torch.testing.assert_close(ddp_loss, loss)

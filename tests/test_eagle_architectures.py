@@ -24,18 +24,12 @@ from transformers import (
 )
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from heads.eagle import (
-    EagleConfig,
-    EagleHead,
-    EagleLoss,
-    build_draft_vocab,
-    load_eagle,
-    save_eagle,
-    target_features,
-)
-from heads.export import FORMATS, export
-from heads.public_heads import load_eagle_head
+from heads.eagle import EagleConfig, EagleHead, build_draft_vocab, load_eagle, save_eagle
+from heads.eagle_loss import EagleLoss, target_features
 from heads.target import wrap_target
+from layouts.eagle import load_eagle_head
+from layouts.export import export
+from layouts.table import all_formats
 
 VOCAB, DRAFT_VOCAB, AUX = 80, 32, (1, 2, 3)
 FORMAT1 = Path(__file__).resolve().parent / "data" / "eagle_format1"
@@ -151,7 +145,7 @@ def test_train_export_reload_gives_identical_draft_logits(tmp_path, kind, versio
     expected = draft_logits(head, target)
     for a, b in zip(draft_logits(load_eagle(artifact, target), target), expected):
         assert torch.equal(a, b)
-    for fmt in FORMATS[head.config.method]:
+    for fmt in all_formats()[head.config.method]:
         # speculators names its verifier by hub id and ships the target's embedding
         extra = {"verifier": "org/tiny", "target": target} if fmt == "speculators" else {}
         out = export(artifact, fmt, tmp_path / fmt, **extra)

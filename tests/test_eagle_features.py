@@ -28,8 +28,9 @@ from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import train.eagle_features as features_module
-from heads.eagle import EagleConfig, EagleHead, build_draft_vocab, count_tokens, eagle_loss
-from heads.eagle import target_features as online_features
+from heads.eagle import EagleConfig, EagleHead, build_draft_vocab, count_tokens
+from heads.eagle_loss import eagle_loss
+from heads.eagle_loss import target_features as online_features
 from heads.target import load_target, load_target_parts, resolve_target
 from train.data import collate_causal_lm
 from train.eagle_features import (

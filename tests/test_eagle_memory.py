@@ -53,7 +53,8 @@ import json, sys
 import torch
 sys.path.insert(0, {repo!r})
 from transformers import LlamaConfig, LlamaForCausalLM
-from heads.eagle import EagleConfig, EagleHead, eagle_loss, target_features
+from heads.eagle import EagleConfig, EagleHead
+from heads.eagle_loss import eagle_loss, target_features
 from heads.target import wrap_target
 
 def status(key):

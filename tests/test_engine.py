@@ -9,8 +9,9 @@ import torch
 from conftest import noisy_copy, tiny_llama
 
 from distill.draft import check_same_vocab, load_draft, truncate_model
+from eval.draft import DraftModelProposer
 from eval.engine import SpeculativeEngine
-from eval.proposers import DraftModelProposer, NgramProposer, Proposer
+from eval.proposers import NgramProposer, Proposer
 from eval.sampling import SamplingParams
 from eval.tree import DraftTree, build_trie
 from heads.target import wrap_target

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from distill.draft import load_draft
+from eval.draft import DraftModelProposer
 from eval.engine import SpeculativeEngine
-from eval.proposers import DraftModelProposer, NgramProposer
+from eval.proposers import NgramProposer
 from eval.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -17,8 +17,8 @@ from conftest import noisy_copy, tiny_llama
 
 import eval.engine as engine_module
 from eval.acceptance import TreeOutcome, verify_chain, verify_tree
+from eval.draft import DraftModelProposer
 from eval.engine import SpeculativeEngine
-from eval.proposers import DraftModelProposer
 from eval.sampling import SamplingParams, warp
 from eval.tree import DraftTree
 from heads.target import wrap_target

@@ -17,23 +17,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from heads.eagle import (
-    EagleConfig,
-    EagleHead,
-    build_draft_vocab,
-    save_eagle,
-    target_features,
-)
-from heads.export import FORMATS, export, main, recorded_hub_id
-from heads.medusa import (
-    MedusaHeads,
-    load_medusa_export,
-    save_medusa,
-    trtllm_convert_command,
-)
+from heads.eagle import EagleConfig, EagleHead, build_draft_vocab, save_eagle
+from heads.eagle_loss import target_features
+from heads.medusa import MedusaHeads, save_medusa
 from heads.output_dir import MARKER
-from heads.public_heads import load_eagle_head, load_medusa_heads
 from heads.target import wrap_target
+from layouts.eagle import load_eagle_head
+from layouts.export import export, main
+from layouts.files import recorded_hub_id
+from layouts.medusa import load_medusa_export, load_medusa_heads, trtllm_convert_command
+from layouts.table import all_formats
 
 VOCAB, DRAFT_VOCAB, AUX = 80, 24, (1, 2, 3)
 
@@ -550,7 +543,7 @@ def test_cli_and_bad_inputs(tmp_path, artifacts, capsys):
     (plain / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="expected one of"):
         export(plain, "hf", tmp_path / "p")
-    assert FORMATS["draft"] == ("hf",)
+    assert all_formats()["draft"] == ("hf",)
 
 
 def test_check_reports_what_it_verified(tmp_path, target, artifacts, capsys):

@@ -18,9 +18,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from distill.draft import load_draft, read_draft_info, save_draft
 from heads.artifact import load_artifact, read_artifact_config
 from heads.file_formats import FileFormatError, load_safetensors, read_json_object
-from heads.medusa import MedusaHeads, export_medusa, load_medusa, load_medusa_export, save_medusa
+from heads.medusa import MedusaHeads, load_medusa, save_medusa
 from heads.output_dir import read_marker
 from heads.target import wrap_target
+from layouts.medusa import export_medusa, load_medusa_export
 
 VOCAB = 40
 

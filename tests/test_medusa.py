@@ -18,15 +18,14 @@ from eval.engine import SpeculativeEngine
 from eval.medusa import MedusaProposer, MedusaTree, TypicalMedusaProposer, typical_acceptance
 from eval.sampling import SamplingParams, warp
 from eval.tree import DraftTree
+from eval.tree_auto import choose_tree_nodes, plan_medusa_tree, size_medusa_tree
+from eval.tree_cost import measure_head_cost, measure_verify_cost
 from heads.draft_vocab import build_draft_vocab, count_tokens
-from heads.export import export as export_any
 from heads.medusa import (
     MedusaConfig,
     MedusaHeads,
     accuracy_metrics,
-    export_medusa,
     load_medusa,
-    load_medusa_export,
     medusa_param_counts,
     rank_accuracy,
     save_medusa,
@@ -36,15 +35,12 @@ from heads.medusa_tree import (
     build_medusa_tree,
     check_tree,
     choose_tree,
-    choose_tree_nodes,
     expected_tau,
     grow_medusa_tree,
-    measure_head_cost,
-    measure_verify_cost,
-    plan_medusa_tree,
 )
-from heads.public_heads import load_medusa_heads
 from heads.target import wrap_target
+from layouts.export import export as export_any
+from layouts.medusa import export_medusa, load_medusa_export, load_medusa_heads
 
 
 def small_target(vocab: int, seed: int = 0, std: float = 0.02, name: str = "tiny"):
@@ -928,11 +924,14 @@ def test_choose_tree_is_the_one_entry_for_trainer_and_evaluator(target32):
     assert choose_tree(acc, 2, 5, max_topk=1)[0] == [(0,), (0, 0)]
     chain, info = choose_tree(None, num_heads=3, tree_nodes=8)
     assert chain == [(0,), (0, 0), (0, 0, 0)] and "no held-out" in info["note"]
+    with pytest.raises(ValueError, match="sized by this machine's measured costs"):
+        choose_tree(acc, 2, "auto")  # the size by cost is the tree sizing's (eval.tree_auto)
     with pytest.raises(ValueError, match="pass target= and heads="):
-        choose_tree(acc, 2, "auto")
+        size_medusa_tree(acc, 2, "auto")
+    assert size_medusa_tree(acc, 2, 4) == choose_tree(acc, 2, 4)
     with one_thread():
         heads = random_heads(target32, num_heads=2)
-        auto, info = choose_tree(acc, 2, "auto", target=target32, heads=heads)
-    assert len(auto) == info["tree_nodes"] and "verify_seconds" in info
+        auto, info = size_medusa_tree(acc, 2, "auto", target=target32, heads=heads)
+    assert len(auto) == info["tree_nodes"] and "verify_seconds" in info and info["machine_key"]
     with pytest.raises(ValueError, match="tree_nodes must be"):
         choose_tree(acc, 2, "many")

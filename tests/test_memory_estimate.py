@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from train.eagle import EagleTrainConfig
-from train.memory import DoesNotFit, Shape, estimate
+from train.estimate import DoesNotFit, Shape
+from train.memory import estimate
 
 REPORT = Path(__file__).resolve().parents[1] / "reports" / "memory_growth.json"
 WIDTHS = {
@@ -75,7 +76,7 @@ def test_the_estimate_covers_the_measured_growth():
 
 
 def test_a_decoder_layer_matches_its_shape_count():
-    from train.memory import LAYER_FACTOR
+    from train.estimate import LAYER_FACTOR
 
     layers = {}
     for row in json.loads(REPORT.read_text())["measurements"]:
@@ -122,7 +123,8 @@ def test_a_run_that_cannot_fit_is_refused_before_the_target_loads(tmp_path, monk
     monkeypatch.setattr(trainer, "load_target", never)
     monkeypatch.setattr(trainer, "load_target_parts", never)
     cfg = EagleTrainConfig(target=str(target), data=["unused.jsonl"], output_dir=str(tmp_path / "o"),
-                           max_tokens_per_batch=2 ** 34, max_length=2048, version=3)
+                           max_tokens_per_batch=2 ** 34, max_length=2048, version=3,
+                           mixed_precision="no")  # the process's accelerator state is fp32
     with pytest.raises(DoesNotFit) as refused:
         trainer.build(cfg)
     message = str(refused.value)

@@ -1,5 +1,5 @@
 """heads.output_dir: atomic, marked, readable by others, never replacing or deleting what it must
-not (write_dir; stage_dir + commit_dir for several writers; remove_dir; check_writable)."""
+not (write_dir; stage_dir + commit_dir for several writers; remove_dir; check_writable_dir)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from heads.output_dir import (
     MARKER,
     check_destination,
-    check_writable,
+    check_writable_dir,
     commit_dir,
     read_marker,
     remove_dir,
@@ -153,18 +153,18 @@ def test_staging_under_a_fixed_name_for_several_writers(tmp_path):
 
 def test_output_paths_are_checked_without_writing(tmp_path, monkeypatch):
     deep = tmp_path / "a" / "b" / "c"
-    assert check_writable(deep) == deep and not (tmp_path / "a").exists()
+    assert check_writable_dir(deep) == deep and not (tmp_path / "a").exists()
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match=r"output directory .*file/run cannot be created: .*file "
                                          r"is a file"):
-        check_writable(tmp_path / "file" / "run")
+        check_writable_dir(tmp_path / "file" / "run")
     # a directory without write permission (os.access says so; root ignores the mode bits)
     monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path)
     with pytest.raises(ValueError, match=r"output_dir .*/new cannot be created in .* \(no write "
                                          r"permission, or a read-only file system\)"):
-        check_writable(tmp_path / "new", what="output_dir")
+        check_writable_dir(tmp_path / "new", what="output_dir")
     with pytest.raises(ValueError, match=r"is not writable"):
-        check_writable(tmp_path, what="output_dir")
+        check_writable_dir(tmp_path, what="output_dir")
 
 
 def test_cast_artifact_halves_the_weights_and_keeps_integer_maps(tmp_path):

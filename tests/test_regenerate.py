@@ -21,17 +21,10 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from heads.target import load_target, resolve_target, wrap_target
-from train import data
-from train.data import (
-    HFBackend,
-    OpenAIBackend,
-    load_prompts,
-    merge_shards,
-    parse_shard,
-    read_conversations,
-    regenerate,
-    shard_path,
-)
+from train import regenerate as regeneration
+from train.data import read_conversations
+from train.regenerate import load_prompts, merge_shards, parse_shard, regenerate, shard_path
+from train.regenerate_backends import HFBackend, OpenAIBackend
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTIONS = ["What is fifteen more than a quarter of 48?", "How are you?",
@@ -209,7 +202,7 @@ def test_shards_merge_into_the_unsharded_file(target, files, tmp_path):
     other.write_text(out.read_text().replace("Be brief.", "Be long."))
     for i in range(3):
         os.link(shard_path(out, i, 3), shard_path(other, i, 3))
-        os.link(data._done_path(shard_path(out, i, 3)), data._done_path(shard_path(other, i, 3)))
+        os.link(regeneration._done_path(shard_path(out, i, 3)), regeneration._done_path(shard_path(other, i, 3)))
     before = other.read_text()
     with pytest.raises(ValueError, match="would lose it"):
         merge_shards(other)
@@ -220,7 +213,7 @@ def test_an_unfinished_shard_is_not_merged_by_default(target, files, tmp_path):
     out = tmp_path / "answers.jsonl"
     for i in range(2):
         regenerate(target, files["single"], out, shard=(i, 2), **GREEDY)
-    data._done_path(shard_path(out, 1, 2)).unlink()  # as if shard 1 were still running
+    regeneration._done_path(shard_path(out, 1, 2)).unlink()  # as if shard 1 were still running
     with pytest.raises(ValueError, match="shards not finished"):
         merge_shards(out)
     assert not out.exists()
@@ -244,17 +237,17 @@ def test_command_line_shards_under_a_launcher_and_merges_at_the_end(target_dir, 
     for rank in (1, 0):  # what torchrun / accelerate launch set for each process
         monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setenv("WORLD_SIZE", "2")
-        data.main(args)
+        regeneration.main(args)
     printed = capsys.readouterr().out
     assert "every shard has finished: merged 9 conversations" in printed
     assert [r["prompt_index"] for r in read_jsonl(out)] == list(range(9))
     assert max(r["turns"] for r in read_jsonl(out)) == 2
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("WORLD_SIZE")
-    data.main(["merge", "--out", str(out)])
+    regeneration.main(["merge", "--out", str(out)])
     assert "merged 9 conversations" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        data.main([*args, "--backend", "openai"])  # needs --url and --model
+        regeneration.main([*args, "--backend", "openai"])  # needs --url and --model
     assert "--url" in capsys.readouterr().err
 
 

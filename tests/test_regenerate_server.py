@@ -25,8 +25,9 @@ import torch
 from transformers import AutoTokenizer
 
 from heads.target import load_target, resolve_target
-from train import data
-from train.data import Answer, OpenAIBackend, check_server_tokens, regenerate
+from train import regenerate as regeneration
+from train.regenerate import regenerate
+from train.regenerate_backends import Answer, OpenAIBackend, check_server_tokens
 
 pytest.importorskip("fastapi", reason="needs the serve extra: pip install -e '.[serve]'")
 pytest.importorskip("uvicorn", reason="needs the serve extra: pip install -e '.[serve]'")
@@ -155,7 +156,7 @@ def test_the_command_line_against_the_server(server, tmp_path, capsys):
     source = tmp_path / "prompts.jsonl"
     source.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS))
     out = tmp_path / "answers.jsonl"
-    data.main(["regenerate", "--backend", "openai", "--url", server["url"], "--model",
+    regeneration.main(["regenerate", "--backend", "openai", "--url", server["url"], "--model",
                server["model"], "--target", server["target"], "--data", str(source), "--out",
                str(out), "--max-new-tokens", "8", "--temperature", "0", "--concurrency", "2",
                "--max-turns", "2"])

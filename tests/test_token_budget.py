@@ -16,12 +16,14 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from distill.losses import next_token_mask
-from heads.eagle import EagleConfig, EagleHead, EagleLoss, build_draft_vocab, target_features
+from heads.chunked_loss import next_token_mask
+from heads.eagle import EagleConfig, EagleHead, build_draft_vocab
+from heads.eagle_loss import EagleLoss, target_features
 from heads.medusa import MedusaHeads
+from heads.medusa_loss import MedusaObjective, target_hidden
 from heads.target import wrap_target
 from train.data import collate_causal_lm
-from train.medusa import MedusaObjective, MedusaTrainConfig, target_hidden
+from train.medusa import MedusaTrainConfig, loss_options
 
 VOCAB = 96
 
@@ -116,7 +118,7 @@ def test_medusa_losses_per_token_do_not_depend_on_padding_or_batching(tiny_targe
         for p in heads.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     cfg = MedusaTrainConfig(num_heads=3, soft_labels=soft, loss_chunk_size=4)
-    objective = MedusaObjective(heads, target, cfg)
+    objective = MedusaObjective(heads, target, **loss_options(cfg))
 
     def loss_of(batch):
         teacher = target_hidden(target, batch["input_ids"], batch["attention_mask"])

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eval.draft import DraftModelProposer
 from eval.engine import measure_acceptance
-from eval.proposers import DraftModelProposer
 from eval.report import wandb_mode
 from eval.sampling import SamplingParams
 from train.accelerator import make_accelerator
@@ -24,7 +24,7 @@ from train.tracking import AcceptanceEval, MetricsLogger, resolve_prompts_file, 
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = REPO / "tests" / "fixtures" / "toy_train.py"
-BASE = dict(target="tiny-llama", max_steps=6, per_device_batch_size=4,
+BASE = dict(target="tiny-llama", mixed_precision="no", max_steps=6, per_device_batch_size=4,
             gradient_accumulation_steps=2, num_rows=20, warmup_steps=2, learning_rate=1e-2,
             save_every=0, log_every=1, eval_every=0)
 PROMPTS = ["Write a haiku about checkpoints.", "What is 2 + 2?", "Name three colours."]

@@ -28,9 +28,10 @@ from transformers import (
 
 import train.loop as loop_module
 from distill.draft import load_draft, read_draft_info
-from distill.losses import divergence, next_token_mask
+from distill.losses import divergence
 from eval.bench import build_methods
 from eval.sampling import SamplingParams
+from heads.chunked_loss import next_token_mask
 from heads.target import load_target
 from train.config import config_from_dict, parse_config
 from train.distill import (
@@ -112,6 +113,7 @@ def files(tmp_path_factory):
 def base_config(files, out: Path, **overrides) -> DistillConfig:
     values = dict(
         target=files["target"], data=files["data"], output_dir=str(out), draft="truncate:1",
+        mixed_precision="no",
         divergence="jsd", max_length=48, per_device_batch_size=4, max_steps=4, warmup_steps=1,
         learning_rate=1e-2, lr_schedule="cosine", save_every=2, keep_checkpoints=None,
         log_every=1, eval_every=2, eval_prompts=files["eval"], eval_num_prompts=2,
@@ -340,7 +342,7 @@ def test_the_exported_draft_works_in_eval_bench_and_transformers(files, whole_ru
     prompt = target.chat_ids("w1 w2 w3")
 
     plain, speculative = build_methods(["plain", f"draft:{artifact}"], target,
-                                       draft_options={"max_depth": 4, "min_confidence": 0.0})
+                                       options={"draft": {"max_depth": 4, "min_confidence": 0.0}})
     greedy = SamplingParams(temperature=0.0)
     expected = plain.run(prompt, 12, greedy, seed=0).tokens
     assert speculative.run(prompt, 12, greedy, seed=0).tokens == expected

@@ -24,9 +24,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import train.loop as loop_module
 from heads.eagle import EagleHead, load_eagle
-from heads.export import main as export_main
-from heads.public_heads import load_eagle_head
 from heads.target import load_target
+from layouts.eagle import load_eagle_head
+from layouts.export import main as export_main
 from train.config import parse_config
 from train.data import load_sft_dataset
 from train.eagle import EagleTrainConfig, draft_vocabulary, head_config, main

@@ -25,24 +25,19 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 import train.loop as loop_module
 from distill.draft import add_lora
-from distill.losses import forward_kl, next_token_mask
+from distill.losses import forward_kl
 from eval.engine import SpeculativeEngine
 from eval.medusa import MedusaProposer
 from eval.sampling import SamplingParams
-from heads.chunked_loss import projected_cross_entropy
+from heads.chunked_loss import next_token_mask, projected_cross_entropy
 from heads.draft_vocab import build_draft_vocab, check_same_vocabulary
-from heads.export import export
-from heads.medusa import MedusaHeads, export_medusa, load_medusa
+from heads.medusa import MedusaHeads, load_medusa
+from heads.medusa_loss import MedusaObjective, head_rows, target_hidden
 from heads.target import load_target, resolve_target, wrap_target
+from layouts.export import export
+from layouts.medusa import export_medusa
 from train.config import config_from_dict, config_to_dict, parse_config
-from train.medusa import (
-    MedusaObjective,
-    MedusaTrainConfig,
-    build_objective,
-    head_rows,
-    main,
-    target_hidden,
-)
+from train.medusa import MedusaTrainConfig, build_objective, loss_options, main
 from train.signals import GracefulStop
 
 pytestmark = pytest.mark.usefixtures("trainer_env")
@@ -204,7 +199,8 @@ def test_chunked_loss_equals_medusa_loss_in_value_gradient_and_hits(small, soft,
     reference = copy.deepcopy(heads)
     if share:
         reference.bind_lm_head(target.lm_head)
-    objective = MedusaObjective(heads, target, loss_config(soft_labels=soft, share_lm_head=share))
+    objective = MedusaObjective(heads, target,
+                                **loss_options(loss_config(soft_labels=soft, share_lm_head=share)))
     logits, (hidden,) = target.features(ids, [target.num_layers], attention)
     assert torch.equal(target_hidden(target, ids, attention), hidden)
 
@@ -240,8 +236,8 @@ def test_draft_vocab_loss_scores_the_draft_tokens_only(small, soft, share):
         for p in heads.parameters():
             p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
     reference = copy.deepcopy(heads)
-    objective = MedusaObjective(heads, target, loss_config(soft_labels=soft, share_lm_head=share,
-                                                           draft_vocab_size=16))
+    objective = MedusaObjective(heads, target, **loss_options(
+        loss_config(soft_labels=soft, share_lm_head=share, draft_vocab_size=16)))
     logits, (hidden,) = target.features(ids, [target.num_layers], attention)
     loss, stats = objective(ids, attention, mask, hidden, topk=3)
     loss.backward()
@@ -321,7 +317,7 @@ def test_medusa2_loss_adds_the_kl_and_ce_of_the_adapted_model_with_exact_gradien
         for name, p in adapted.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.3)
-    objective = MedusaObjective(heads, target, cfg, adapted)
+    objective = MedusaObjective(heads, target, adapted, **loss_options(cfg))
     reference = copy.deepcopy(objective)
     teacher_logits, (teacher,) = target.features(ids, [target.num_layers], attention)
     loss, stats = objective(ids, attention, mask, teacher)
@@ -349,9 +345,10 @@ def test_medusa2_loss_adds_the_kl_and_ce_of_the_adapted_model_with_exact_gradien
     # checkpoints hold the adapters and heads, not the frozen copy of the target
     saved = objective.state_dict()
     assert saved and all("lora_" in k or k.startswith("heads.") for k in saved)
-    fresh = MedusaObjective(perturbed_heads(target, 3, False), target, cfg,
+    fresh = MedusaObjective(perturbed_heads(target, 3, False), target,
                             add_lora(copy.deepcopy(target.model), r=2, alpha=4.0,
-                                     target_modules=["q_proj", "down_proj"]))
+                                     target_modules=["q_proj", "down_proj"]),
+                            **loss_options(cfg))
     fresh.load_state_dict(saved)  # strict: the frozen keys may be absent
     for name, tensor in fresh.state_dict().items():
         assert torch.equal(tensor, saved[name])

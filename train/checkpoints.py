@@ -43,7 +43,7 @@ from accelerate.utils import load as accelerate_load
 from heads.file_formats import FileFormatError, read_json_object, safetensors_problem
 from heads.output_dir import (
     check_destination,
-    check_writable,
+    check_writable_dir,
     commit_dir,
     read_marker,
     remove_dir,
@@ -199,7 +199,7 @@ class Checkpointer:
         self.target_identity = dict(target_identity)
         self.last_saved_step: int | None = None
         # before any training: a run that cannot write its results fails now, not at its end
-        check_writable(self.output_dir, what="output_dir")
+        check_writable_dir(self.output_dir, what="output_dir")
         check_destination(self.output_dir / "artifact", kind="artifact",
                           overwrite=bool(cfg.overwrite))
         existing = latest_checkpoint(self.root)

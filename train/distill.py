@@ -65,16 +65,25 @@ from jinja2.exceptions import TemplateError
 from torch import nn
 
 from distill.draft import add_lora, fresh_draft, load_draft, merge_lora, save_draft
-from distill.losses import DIVERGENCES, argmax_agreement, divergence, next_token_mask, tvd
-from eval.proposers import DraftModelProposer
+from distill.losses import DIVERGENCES, argmax_agreement, divergence, tvd
+from eval.draft import DraftModelProposer
+from heads.chunked_loss import next_token_mask
 from heads.target import Target, is_hub_id, load_target
 from train.accelerator import make_accelerator
 from train.batches import make_batches, split_heldout
 from train.checkpoints import TrainState
 from train.config import TrainConfig, option, parse_config
 from train.data import collate_causal_lm, load_sft_dataset, read_conversations
+from train.estimate import (
+    LAYER_FACTOR,
+    MemoryModel,
+    Shape,
+    StepSizes,
+    check_fits,
+    loss_chunk_bytes,
+    optimizer_bytes,
+)
 from train.loop import Recipe, StepOutput, TrainResult
-from train.memory import check_fits
 from train.tracking import AcceptanceEval, PeriodicEval
 
 FRESH_PREFIX = "fresh:"
@@ -565,10 +574,49 @@ def planned_sizes(rows: list[dict], cfg: DistillConfig) -> tuple[list[int], list
     return lengths, scored
 
 
+def _draft_directory(cfg) -> str | None:
+    """A draft given as a directory or hub id, whose config.json the estimate reads."""
+    draft = getattr(cfg, "draft", None)
+    return draft if draft and not draft.startswith(("truncate:", "fresh:")) else None
+
+
+# ------------------------------------------------------------------------------------------------
+# Memory: what one step adds to the estimate (train/estimate.py), checked before the target loads
+
+
+def memory_parts(cfg, target: Shape, sizes: StepSizes) -> dict[str, float]:
+    """The trained module with AdamW, its activations, the target's forward and the loss chunk."""
+    n, act = sizes.tokens, sizes.act
+    parts: dict[str, float] = {}
+    d = sizes.draft or target
+    layers = d.layers
+    if sizes.draft is None and cfg.draft.split(":")[0] in ("truncate", "fresh"):
+        layers = int(cfg.draft.split(":")[1])
+    trained = d.params(layers)
+    if cfg.lora:
+        trained = layers * cfg.lora_r * 4 * (d.hidden + d.intermediate)
+        parts["frozen draft weights"] = d.params(layers) * sizes.weight
+    layer = LAYER_FACTOR * d.layer_saved_per_token() * act
+    kept = (layer + layers * 2 * d.hidden * act) if cfg.gradient_checkpointing \
+        else layers * layer
+    parts[f"trained draft ({trained / 1e6:.0f} M parameters, AdamW)"] = \
+        optimizer_bytes(trained, sizes.processes)
+    parts[f"draft activations ({layers} layers)"] = kept * n
+    parts["target forward"] = sizes.target_forward
+    parts[f"loss chunk ({min(cfg.loss_chunk_size, n)} x {target.vocab})"] = \
+        loss_chunk_bytes(cfg, n, target.vocab)
+    return parts
+
+
+MEMORY = MemoryModel(memory_parts, shrink_keys=(
+    "max_tokens_per_batch (or per_device_batch_size), gradient_checkpointing: true, "
+    "lora: true, a smaller draft, loss_chunk_size"), draft_spec=_draft_directory)
+
+
 def build(cfg: DistillConfig) -> Recipe:
     """The run, ready to train: target, rows, the draft, its loss, evaluation and export."""
     accelerator = make_accelerator(cfg)  # first: seeds before any weights
-    check_fits("distill", cfg, accelerator)  # before minutes of loading
+    check_fits(cfg, accelerator, MEMORY)  # before minutes of loading
     target = load_target(cfg.target, device=accelerator.device)  # frozen; never prepared
     pad_id = target.tokenizer.pad_token_id
     pad_id = target.eos_token_ids[0] if pad_id is None else pad_id

@@ -65,9 +65,8 @@ from heads.eagle import (
     DEFAULT_TTT_STEPS,
     EagleConfig,
     EagleHead,
-    EagleLoss,
-    target_features,
 )
+from heads.eagle_loss import EagleLoss, target_features
 from heads.target import Target, load_target, load_target_parts
 from train.accelerator import make_accelerator
 from train.batches import make_batches, row_sizes
@@ -79,8 +78,16 @@ from train.eagle_features import (
     collate_features,
     write_feature_cache,
 )
+from train.estimate import (
+    EAGLE_FACTOR,
+    MemoryModel,
+    Shape,
+    StepSizes,
+    check_fits,
+    loss_chunk_bytes,
+    optimizer_bytes,
+)
 from train.loop import Recipe, StepOutput, TrainResult
-from train.memory import check_fits
 from train.tracking import AcceptanceEval
 
 
@@ -189,10 +196,46 @@ def check_resumed_vocabulary(head: EagleHead, d2t: torch.Tensor, t2d: torch.Tens
 # The run
 
 
+# ------------------------------------------------------------------------------------------------
+# Memory: what one step adds to the estimate (train/estimate.py), checked before the target loads
+
+
+def memory_parts(cfg, target: Shape, sizes: StepSizes) -> dict[str, float]:
+    """The trained module with AdamW, its activations, the target's forward and the loss chunk."""
+    n, act, h = sizes.tokens, sizes.act, target.hidden
+    parts: dict[str, float] = {}
+    version = cfg.version
+    draft_vocab = (cfg.draft_vocab_size or target.vocab) if version == 3 else target.vocab
+    layer_in = 2 * h
+    trained = target.layer_params(layer_in) + (3 if version == 3 else 2) * h * h
+    if version == 3:
+        trained += draft_vocab * h
+    steps = cfg.ttt_steps if version == 3 else 1
+    per_step = EAGLE_FACTOR * (target.layer_saved_per_token(layer_in) + 6 * h) * act
+    if cfg.gradient_checkpointing:  # each step keeps its input; one step is rebuilt at a time
+        kept = per_step + steps * 6 * h * act
+    else:
+        kept = steps * per_step
+    features = (4 if version == 3 else 2) * h * act  # the hidden states the head reads
+    parts[f"trained head ({trained / 1e6:.0f} M parameters, AdamW)"] = \
+        optimizer_bytes(trained, sizes.processes)
+    parts[f"head activations ({steps} test-time step{'s' if steps > 1 else ''})"] = \
+        kept * n
+    parts["target forward and features"] = sizes.target_forward + features * n
+    parts[f"loss chunk ({min(cfg.loss_chunk_size, n)} x {draft_vocab})"] = \
+        loss_chunk_bytes(cfg, n, draft_vocab)
+    return parts
+
+
+MEMORY = MemoryModel(memory_parts, shrink_keys=(
+    "max_tokens_per_batch (or per_device_batch_size), gradient_checkpointing: true, "
+    "draft_vocab_size (EAGLE-3), loss_chunk_size, ttt_steps"))
+
+
 def build(cfg: EagleTrainConfig) -> Recipe:
     """The run, ready to train: target, data, head, loss, evaluation and export."""
     accelerator = make_accelerator(cfg)  # first: seeds before any weights
-    check_fits("eagle", cfg, accelerator)  # before minutes of loading
+    check_fits(cfg, accelerator, MEMORY)  # before minutes of loading
     cache_dir = Path(cfg.feature_cache_dir or Path(cfg.output_dir) / "features")
     if cfg.feature_mode == "offline" and not cfg.eval_every and cache_is_complete(cache_dir):
         # training from a finished cache reads the embedding, final norm and LM head only

@@ -1,6 +1,6 @@
 """Offline EAGLE features: run the frozen target once over a tokenised dataset, read them back.
 
-Online mode runs the target inside every training step (``heads.eagle.target_features``);
+Online mode runs the target inside every training step (``heads.eagle_loss.target_features``);
 offline mode pays that once and trains from disk, which pays off over several epochs or when the
 target does not fit beside the head. Both give the same batches (keys and tensors), so the loss
 is the same (tested). Every process writes its share of the files at the same time::
@@ -66,7 +66,8 @@ from safetensors import safe_open
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from heads.eagle import EagleConfig, target_features
+from heads.eagle import EagleConfig
+from heads.eagle_loss import target_features
 from heads.target import Target, dtype_name
 from train.data import collate_causal_lm
 

@@ -55,7 +55,7 @@ speculative engine with that tree.
 
 At the end the heads' per-rank accuracies on the held-out rows give the static token tree
 (``tree_nodes: auto``: the node count that maximises expected tau per measured verification
-cost on this machine, see ``heads.medusa_tree.choose_tree``; or a fixed node count), saved in
+cost on this machine, see ``eval.tree_auto.size_medusa_tree``; or a fixed node count), saved in
 ``<output_dir>/artifact`` with the heads; ``final/expected_tau`` and (with ``eval_every`` > 0)
 ``final/tau`` measured with that tree are logged. ``python -m eval.bench --method
 medusa:<artifact>`` measures it; ``python -m heads.export`` writes the vLLM / TensorRT-LLM layouts.
@@ -67,7 +67,7 @@ import copy
 import hashlib
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -80,10 +80,9 @@ from accelerate.utils import broadcast_object_list
 from torch import nn
 
 from distill.draft import add_lora, merge_lora
-from distill.losses import next_token_mask
 from eval.medusa import MedusaProposer
+from eval.tree_auto import size_medusa_tree
 from heads.artifact import FORMAT_VERSION
-from heads.chunked_loss import projected_cross_entropy
 from heads.draft_vocab import check_same_vocabulary, draft_vocabulary
 from heads.medusa import (
     ADAPTED_TARGET_INFO_KEY,
@@ -93,6 +92,12 @@ from heads.medusa import (
     rank_accuracy,
     save_medusa,
 )
+from heads.medusa_loss import (
+    DEFAULT_LOSS_DECAY,
+    MedusaObjective,
+    StepStats,
+    target_hidden,
+)
 from heads.medusa_tree import choose_tree, default_chain, expected_tau
 from heads.output_dir import write_dir
 from heads.target import Target, load_target, wrap_target
@@ -100,12 +105,20 @@ from train.accelerator import make_accelerator
 from train.batches import make_batches, row_sizes, split_heldout
 from train.checkpoints import TrainState
 from train.config import TrainConfig, option, parse_config
-from train.data import collate_causal_lm, load_sft_dataset, merge_shards, regenerate
+from train.data import collate_causal_lm, load_sft_dataset
+from train.estimate import (
+    LAYER_FACTOR,
+    MemoryModel,
+    Shape,
+    StepSizes,
+    check_fits,
+    loss_chunk_bytes,
+    optimizer_bytes,
+)
 from train.loop import Recipe, StepOutput, TrainResult
-from train.memory import check_fits
+from train.regenerate import merge_shards, regenerate
 from train.tracking import AcceptanceEval, PeriodicEval
 
-TRAIN_TOPK = 5  # ranks counted on training batches: enough for the logged top-1 and top-5
 _MEDUSA2_ONLY = {"kl_weight": 1.0, "lm_loss_weight": 0.0, "lora_r": 16, "lora_alpha": 32.0,
                  "lora_dropout": 0.0, "lora_target_modules": ["all-linear"]}
 _NOT_ADAPTABLE = ("lm_head", "embed_tokens")
@@ -128,7 +141,7 @@ class MedusaTrainConfig(TrainConfig):
         "of the training data (as EAGLE-3 does), through a trained projection of that size of "
         "their own (shared by every head with share_lm_head: true); exports to vllm-0.32 only "
         "(none: the whole vocabulary)")
-    loss_decay: float = option(0.8, "head k's loss is weighted loss_decay**k (0 < decay <= 1)")
+    loss_decay: float = option(DEFAULT_LOSS_DECAY, "head k's loss is weighted loss_decay**k (0 < decay <= 1)")
     soft_labels: bool = option(
         False, "self-distillation: head k at t matches the target's distribution of token t+1+k "
         "given the true prefix, instead of the data's token")
@@ -229,176 +242,11 @@ class MedusaTrainConfig(TrainConfig):
                              f"the LM head as a plain matrix); adapt the decoder layers only")
 
 
-# ------------------------------------------------------------------------------------------------
-# The loss: vocabulary projections chunk by chunk, the gradient in closed form
-
-
-def head_rows(loss_mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(batch index, position) of the positions t where head k (1-based) is scored.
-
-    Head k at t guesses token t+1+k, scored where ``loss_mask[:, t+1+k]`` is 1.
-    """
-    scored = torch.zeros_like(loss_mask, dtype=torch.bool)  # (B, T)
-    seq = loss_mask.shape[1]
-    if seq > 1 + k:
-        scored[:, : seq - 1 - k] = loss_mask[:, 1 + k:].bool()
-    return scored.nonzero(as_tuple=True)
-
-
-@torch.no_grad()
-def target_hidden(target: Target, input_ids: torch.Tensor,
-                  attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, T, H) the frozen target's final-normed last hidden state, its LM head skipped.
-
-    The same as ``target.features(ids, [target.num_layers])[1][0]`` without the (B, T, V)
-    logits nobody here needs.
-    """
-    return target.decoder(input_ids=input_ids, attention_mask=attention_mask,
-                          use_cache=False).last_hidden_state
-
-
-# ------------------------------------------------------------------------------------------------
-# The trained module
-
-
-@dataclass
-class StepStats:
-    """Detached per-micro-batch quantities for logging (tensors stay on the device)."""
-
-    head_loss: torch.Tensor  # (K,) mean loss of each head over its scored rows
-    hits: torch.Tensor  # (K, topk) int64
-    counts: torch.Tensor  # (K,) positions per head (the accuracies' denominators)
-    # (K,) positions whose loss was scored: all of counts without a draft vocabulary; with one,
-    # those whose token (hard labels) or target argmax (soft labels) has a draft id
-    scored: torch.Tensor
-    lm: dict[str, torch.Tensor] = field(default_factory=dict)  # Medusa-2: sums and the count
-
-
-class MedusaObjective(nn.Module):
-    """What is prepared, optimised and checkpointed: the heads and, in Medusa-2, a LoRA-adapted
-    copy of the target (``adapted``, a peft model). The frozen original target is held by
-    reference (teacher for soft labels and the KL), outside the module's parameters.
-
-    In Medusa-2 the copy's frozen base weights are left out of ``state_dict`` (and may be absent
-    when loading one): checkpoints hold the adapters and heads alone.
-    """
-
-    def __init__(self, heads: MedusaHeads, target: Target, cfg: MedusaTrainConfig,
-                 adapted: nn.Module | None = None):
-        super().__init__()
-        self.heads = heads
-        self.adapted = adapted
-        self._target = (target,)  # a tuple: not a submodule, never saved or wrapped
-        self.decay = cfg.loss_decay
-        self.soft_labels = cfg.soft_labels
-        self.heads_loss_weight = cfg.heads_loss_weight
-        self.kl_weight = cfg.kl_weight
-        self.lm_loss_weight = cfg.lm_loss_weight
-        self.chunk_size = cfg.loss_chunk_size
-        self._frozen_keys: frozenset[str] = frozenset()
-        if adapted is not None:
-            state = self.state_dict(keep_vars=True)
-            self._frozen_keys = frozenset(  # the adapted copy's base weights (not the heads')
-                k for k, v in state.items() if k.startswith("adapted.")
-                and not (isinstance(v, nn.Parameter) and v.requires_grad))
-            self.register_state_dict_post_hook(_drop_frozen_keys)
-            self.register_load_state_dict_post_hook(_allow_missing_frozen_keys)
-
-    @property
-    def target(self) -> Target:
-        return self._target[0]
-
-    def adapted_model(self) -> nn.Module:
-        """The Hugging Face model inside the peft wrapper (adapters active)."""
-        return self.adapted.get_base_model()
-
-    def verifier(self) -> Target:
-        """The model the heads are verified against: the target, or its adapted copy."""
-        if self.adapted is None:
-            return self.target
-        target = self.target
-        return Target(model=self.adapted_model(), tokenizer=target.tokenizer,
-                      name=f"{target.name}+medusa2", eos_token_ids=target.eos_token_ids)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                loss_mask: torch.Tensor, teacher_hidden: torch.Tensor,
-                topk: int = TRAIN_TOPK, reduction: str = "mean") -> tuple[torch.Tensor, StepStats]:
-        """-> (loss, stats) for one micro-batch; teacher_hidden (B, T, H) from the frozen target.
-
-        loss = heads_loss_weight * sum_k decay**k * mean loss of head k
-               [+ kl_weight * KL(original || adapted) + lm_loss_weight * CE(adapted), Medusa-2]
-        ``reduction="sum"``: the same with every mean replaced by the sum over its positions
-        (for a loop that normalises by the tokens of the whole optimizer step).
-        """
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-        target = self.target
-        if self.adapted is None:
-            hidden = teacher_hidden  # (B, T, H), no gradient: the target is frozen
-        else:
-            hidden = self.adapted_model().get_decoder()(
-                input_ids=input_ids, attention_mask=attention_mask,
-                use_cache=False).last_hidden_state  # (B, T, H), through the adapters
-        heads_loss = None
-        losses, hits, counts, scored = [], [], [], []
-        # a draft vocabulary: the teacher restricted to its tokens (None: the whole vocabulary)
-        columns = self.heads.draft_columns() if self.soft_labels else None
-        for k, state in enumerate(self.heads.head_states(hidden), start=1):
-            b, t = head_rows(loss_mask, k)
-            out = projected_cross_entropy(
-                state[b, t], self.heads.lm_head_weight(k - 1),
-                self.heads.target_to_draft(input_ids[b, t + 1 + k]),  # -1: no draft id
-                teacher_states=teacher_hidden[b, t + k] if self.soft_labels else None,
-                teacher_head=target.lm_head if self.soft_labels else None,
-                teacher_columns=columns,
-                hard_weight=0.0 if self.soft_labels else 1.0,
-                soft_weight=1.0 if self.soft_labels else 0.0,
-                chunk_size=self.chunk_size, topk=topk)
-            mean = out.loss / out.scored.clamp_min(1)
-            weighted = self.decay ** k * (out.loss if reduction == "sum" else mean)
-            heads_loss = weighted if heads_loss is None else heads_loss + weighted
-            losses.append(mean.detach())
-            hits.append(out.hits)
-            counts.append(out.count)
-            scored.append(out.scored)
-        loss = self.heads_loss_weight * heads_loss
-        stats = StepStats(torch.stack(losses), torch.stack(hits),
-                          torch.tensor(counts, device=hidden.device),
-                          torch.stack(scored).to(hidden.device))
-        if self.adapted is not None:
-            loss, stats.lm = self._adapted_lm_loss(loss, hidden, input_ids, loss_mask,
-                                                   teacher_hidden, reduction)
-        return loss, stats
-
-    def _adapted_lm_loss(self, loss, hidden, input_ids, loss_mask, teacher_hidden, reduction):
-        """Medusa-2: add kl_weight * KL(original || adapted) + lm_loss_weight * CE(adapted)."""
-        b, t = next_token_mask(loss_mask).bool().nonzero(as_tuple=True)  # positions t -> t+1
-        out = projected_cross_entropy(
-            hidden[b, t], self.adapted_model().get_output_embeddings().weight,
-            input_ids[b, t + 1], teacher_states=teacher_hidden[b, t],
-            teacher_head=self.target.lm_head, hard_weight=self.lm_loss_weight,
-            soft_weight=self.kl_weight, chunk_size=self.chunk_size, topk=1)
-        n = 1 if reduction == "sum" else max(out.count, 1)
-        # the teacher's entropy is a constant: subtracting it turns the soft cross-entropy into
-        # the KL without changing the gradient
-        lm_loss = (out.loss - self.kl_weight * out.teacher_entropy) / n
-        stats = {"kl": out.soft_ce - out.teacher_entropy, "ce": out.hard_ce,
-                 "agree": out.agree, "count": torch.tensor(float(out.count))}
-        return loss + lm_loss, stats
-
-
-def _drop_frozen_keys(module: MedusaObjective, state_dict: dict, prefix: str,
-                      local_metadata) -> None:
-    for key in module._frozen_keys:
-        state_dict.pop(prefix + key, None)
-
-
-def _allow_missing_frozen_keys(module: MedusaObjective, incompatible) -> None:
-    frozen = module._frozen_keys
-    # keys arrive with the prefix of any wrapper (DDP's "module."), so match their tails
-    kept = [k for k in incompatible.missing_keys
-            if not any(k == f or k.endswith("." + f) for f in frozen)]
-    incompatible.missing_keys[:] = kept
+def loss_options(cfg: MedusaTrainConfig) -> dict:
+    """The config's keys for :class:`heads.medusa_loss.MedusaObjective`."""
+    return {"loss_decay": cfg.loss_decay, "soft_labels": cfg.soft_labels,
+            "heads_loss_weight": cfg.heads_loss_weight, "kl_weight": cfg.kl_weight,
+            "lm_loss_weight": cfg.lm_loss_weight, "loss_chunk_size": cfg.loss_chunk_size}
 
 
 def build_objective(cfg: MedusaTrainConfig, target: Target, *, d2t: torch.Tensor | None = None,
@@ -420,7 +268,7 @@ def build_objective(cfg: MedusaTrainConfig, target: Target, *, d2t: torch.Tensor
         modules = cfg.lora_target_modules
         adapted = add_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                            target_modules="all-linear" if modules == ["all-linear"] else modules)
-    return MedusaObjective(heads, target, cfg, adapted).train()
+    return MedusaObjective(heads, target, adapted, **loss_options(cfg)).train()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -551,8 +399,8 @@ def final_tree(cfg: MedusaTrainConfig, verifier: Target, heads: MedusaHeads, hit
                totals: torch.Tensor) -> tuple[list, dict]:
     """(tree, tree_info) for the artifact, from the final held-out accuracies."""
     nodes = cfg.tree_nodes if cfg.tree_nodes == "auto" else int(cfg.tree_nodes)
-    tree, info = choose_tree(_accuracies(hits, totals), cfg.num_heads, nodes, target=verifier,
-                             heads=heads)
+    tree, info = size_medusa_tree(_accuracies(hits, totals), cfg.num_heads, nodes,
+                                  target=verifier, heads=heads)
     return tree, {**info, "heldout_positions": totals.tolist()}
 
 
@@ -560,7 +408,7 @@ def final_tree(cfg: MedusaTrainConfig, verifier: Target, heads: MedusaHeads, hit
 # Export
 
 
-def weights_digest(model: nn.Module) -> str:
+def parameters_digest(model: nn.Module) -> str:
     """sha256 over a model's state dict (names, dtypes, shapes, bytes): its exact identity."""
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
@@ -595,7 +443,7 @@ def write_artifact(out_dir: Path, heads: MedusaHeads, target: Target, tree, tree
     """Heads (+ the adapted target in ``target/`` for Medusa-2), written atomically."""
     extra = dict(extra)
     if adapted is not None:
-        digest = weights_digest(adapted)
+        digest = parameters_digest(adapted)
         extra["adapted_target"] = {"path": "target", "digest": digest}
         extra["base_model"] = str((out_dir / "target").resolve())
 
@@ -628,10 +476,46 @@ def _logged(stats: StepStats) -> dict:
     return logged
 
 
+# ------------------------------------------------------------------------------------------------
+# Memory: what one step adds to the estimate (train/estimate.py), checked before the target loads
+
+
+def memory_parts(cfg, target: Shape, sizes: StepSizes) -> dict[str, float]:
+    """The trained module with AdamW, its activations, the target's forward and the loss chunk."""
+    n, act, h = sizes.tokens, sizes.act, target.hidden
+    parts: dict[str, float] = {}
+    k = cfg.num_heads
+    draft_vocab = getattr(cfg, "draft_vocab_size", None)
+    vocab = draft_vocab or target.vocab  # what the heads' logits range over
+    trained = k * cfg.num_layers * (h * h + h)
+    if draft_vocab:  # a trained projection onto the draft tokens, shared or one per head
+        trained += (1 if cfg.share_lm_head else k) * draft_vocab * h
+    elif not cfg.share_lm_head:
+        trained += k * target.vocab * h
+    kept = k * cfg.num_layers * 4 * h * act
+    if cfg.medusa2:  # backpropagation through the adapted target
+        layer = LAYER_FACTOR * target.layer_saved_per_token() * act
+        kept += (layer + target.layers * 2 * h * act) if cfg.gradient_checkpointing \
+            else target.layers * layer
+        trained += target.layers * cfg.lora_r * 4 * (h + target.intermediate)  # LoRA, roughly
+    parts[f"trained heads ({trained / 1e6:.0f} M parameters, AdamW)"] = \
+        optimizer_bytes(trained, sizes.processes)
+    parts[f"activations ({k} heads{', adapted target' if cfg.medusa2 else ''})"] = kept * n
+    parts["target forward"] = (0 if cfg.medusa2 else sizes.target_forward) + h * act * n
+    parts[f"loss chunk ({min(cfg.loss_chunk_size, n)} x {vocab})"] = \
+        loss_chunk_bytes(cfg, n, vocab)
+    return parts
+
+
+MEMORY = MemoryModel(memory_parts, shrink_keys=(
+    "max_tokens_per_batch (or per_device_batch_size), share_lm_head: true, "
+    "gradient_checkpointing: true (Medusa-2), loss_chunk_size"))
+
+
 def build(cfg: MedusaTrainConfig) -> Recipe:
     """The run, ready to train: target, data, heads (+ the LoRA copy), evaluation and export."""
     accelerator = make_accelerator(cfg)  # first: seeds before any weights
-    check_fits("medusa", cfg, accelerator)  # before minutes of loading
+    check_fits(cfg, accelerator, MEMORY)  # before minutes of loading
     target = load_target(cfg.target, device=accelerator.device)  # frozen; never prepared
     pad_id = target.tokenizer.pad_token_id
     pad_id = target.eos_token_ids[0] if pad_id is None else pad_id

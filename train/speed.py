@@ -26,7 +26,6 @@ unless ``--output_dir`` says otherwise.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 import tempfile
@@ -35,23 +34,9 @@ from pathlib import Path
 
 import torch
 
+from heads.command_line import run_command
 from train.config import parse_config
-from train.memory import estimate_run
-
-TRAINERS = ("eagle", "medusa", "distill")
-_CONFIG_CLASSES = {"eagle": "EagleTrainConfig", "medusa": "MedusaTrainConfig",
-                   "distill": "DistillConfig"}
-
-
-def trainer_of(config_path: str, explicit: str | None) -> str:
-    """The trainer a config belongs to: ``--trainer``, else its folder under configs/."""
-    if explicit:
-        return explicit
-    folder = Path(config_path).resolve().parent.name
-    if folder in TRAINERS:
-        return folder
-    raise ValueError(f"cannot tell which trainer {config_path} is for (its folder is {folder!r}, "
-                     f"not one of {', '.join(TRAINERS)}): pass --trainer")
+from train.recipes import TRAINERS, Trainer, trainer_of
 
 
 def _resident_high_water_gb() -> float | None:
@@ -111,21 +96,21 @@ def target_forward_tokens_per_s(recipe, steps: int) -> tuple[float, int]:
     return tokens / seconds, tokens
 
 
-def measure(trainer: str, argv: list[str], steps: int, warmup: int) -> dict:
-    module = importlib.import_module(f"train.{trainer}")
-    config_class = getattr(module, _CONFIG_CLASSES[trainer])
+def measure(trainer: Trainer | str, argv: list[str], steps: int, warmup: int) -> dict:
+    trainer = TRAINERS[trainer] if isinstance(trainer, str) else trainer
+    config_class = trainer.config_class
     with tempfile.TemporaryDirectory(prefix="draftsmith-speed-") as scratch:
         defaults = ["--output_dir", str(Path(scratch) / "run"), "--eval_every", "0",
                     "--save_every", "0", "--report_to", "none", "--log_every", "1",
                     "--resume", "none"]
         cfg = parse_config(config_class, [*defaults, *argv, "--max_steps", str(warmup + steps),
                                           "--num_epochs", "none"])
-        if trainer == "medusa":
+        if hasattr(cfg, "heldout_every"):  # the held-out accuracy pass is evaluation too
             cfg.heldout_every = 0
-        recipe = module.build(cfg)
+        recipe = trainer.build(cfg)
         device = recipe.accelerator.device
-        predicted = estimate_run(trainer, cfg, device.type,
-                                 recipe.accelerator.num_processes).total / 2**30
+        predicted = trainer.memory.estimate_run(cfg, device.type,
+                                                recipe.accelerator.num_processes).total / 2**30
         forward, forward_tokens = target_forward_tokens_per_s(recipe, warmup + steps)
         before = _reset_high_water(device)
         result = recipe.train()
@@ -145,7 +130,7 @@ def measure(trainer: str, argv: list[str], steps: int, warmup: int) -> dict:
     train = sum(tokens) / seconds
     processes = recipe.accelerator.num_processes
     return {
-        "trainer": trainer, "argv": argv, "steps": len(timed), "warmup_steps": warmup,
+        "trainer": trainer.name, "argv": argv, "steps": len(timed), "warmup_steps": warmup,
         "processes": processes, "mixed_precision": recipe.accelerator.mixed_precision,
         "train_tokens_per_s": round(train, 2),
         # the loop logs tokens over every process; the forward was timed on this one
@@ -166,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--config", required=True, help="a trainer config, configs/<method>/...")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps timed")
     parser.add_argument("--warmup", type=int, default=2, help="optimizer steps run first, untimed")
-    parser.add_argument("--trainer", choices=TRAINERS, default=None,
+    parser.add_argument("--trainer", choices=sorted(TRAINERS), default=None,
                         help="the trainer (default: the config's folder)")
     args, rest = parser.parse_known_args(argv)
     if args.steps < 1 or args.warmup < 0:
@@ -179,8 +164,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+    sys.exit(run_command(main, "python -m train.speed"))

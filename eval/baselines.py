@@ -1,0 +1,57 @@
+"""The baselines every benchmark measures the drafts against: our engine without a draft, with
+n-gram prompt lookup, and transformers' own ``generate``, its prompt lookup and its assisted
+generation.
+
+    plain         our engine, one target forward per token
+    hf            transformers generate (the baseline of speedup)
+    pld           our engine with n-gram prompt lookup (the --pld-* flags)
+    hf-pld        generate(prompt_lookup_num_tokens=--pld-depth)
+    hf-assisted:<dir|truncate:N>   generate(assistant_model=...)
+"""
+
+from __future__ import annotations
+
+from eval.proposers import NgramProposer
+from eval.runners import (
+    BuildContext,
+    EngineMethod,
+    HFMethod,
+    OptionFlag,
+    int_at_least,
+    signature_default,
+)
+
+PLD_FLAGS = (
+    OptionFlag("pld", NgramProposer, "max_ngram", "--pld-max-ngram", int_at_least(1),
+               "pld: longest n-gram matched"),
+    OptionFlag("pld", NgramProposer, "min_ngram", "--pld-min-ngram", int_at_least(1),
+               "pld: shortest n-gram matched"),
+    OptionFlag("pld", NgramProposer, "max_depth", "--pld-depth", int_at_least(1),
+               "pld: tokens continued after a match; also hf-pld's prompt_lookup_num_tokens"),
+    OptionFlag("pld", NgramProposer, "max_branches", "--pld-branches", int_at_least(1),
+               "pld: continuations of distinct earlier matches merged into a tree"),
+    OptionFlag("pld", NgramProposer, "tree_nodes", "--pld-tree-nodes", int_at_least(1),
+               "pld: nodes of the n-gram tree"),
+)
+
+
+def build_plain(arg: str, name: str, ctx: BuildContext) -> EngineMethod:
+    return EngineMethod(name, ctx.engine, None)
+
+
+def build_hf(arg: str, name: str, ctx: BuildContext) -> HFMethod:
+    return HFMethod(name, ctx.target)
+
+
+def build_pld(arg: str, name: str, ctx: BuildContext) -> EngineMethod:
+    return EngineMethod(name, ctx.engine, NgramProposer(**ctx.kind_options("pld")))
+
+
+def build_hf_pld(arg: str, name: str, ctx: BuildContext) -> HFMethod:
+    depth = ctx.kind_options("pld").get("max_depth",
+                                        signature_default(NgramProposer, "max_depth"))
+    return HFMethod(name, ctx.target, prompt_lookup_num_tokens=depth)
+
+
+def build_hf_assisted(arg: str, name: str, ctx: BuildContext) -> HFMethod:
+    return HFMethod(name, ctx.target, assistant_model=ctx.draft(arg))

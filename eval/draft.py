@@ -1,0 +1,191 @@
+"""The draft LM in the evaluator: a small causal LM drafting chains or static trees.
+
+``--method draft:<dir|truncate:N>`` (a distilled draft's directory, or the target's first N
+layers): :class:`DraftModelProposer`, with the options ``--draft-depth``,
+``--draft-min-confidence``, ``--draft-branching`` and ``--draft-children``
+(:data:`DRAFT_FLAGS`). The draft keeps its own KV cache over the accepted sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from eval.kv import keep_tree_path, new_cache
+from eval.proposers import Proposer
+from eval.runners import BuildContext, EngineMethod, OptionFlag, int_at_least, parse_probability
+from eval.sampling import warp
+from eval.tree import DraftTree
+from heads.target import tree_attention_mask
+
+
+class DraftModelProposer(Proposer):
+    """A small causal LM sharing the target's vocabulary, drafting a chain or a static tree.
+
+    Chain (``branching`` None): up to ``max_depth`` tokens, stopping early once the draft's
+    probability of the token it just proposed falls below ``min_confidence`` (later tokens would
+    rarely survive verification). Tree: ``branching[d]`` children under every node of depth d,
+    either the draft's top-k (``children="topk"``, verified with the deterministic-children rule)
+    or k i.i.d. samples from its warped distribution (``children="sample"``, SpecInfer's rule);
+    the draft expands one whole depth per forward with a tree attention mask over its own cache.
+    At temperature 0 tokens are the draft's argmax / top-k.
+    """
+
+    name = "draft"
+
+    def __init__(self, model, *, max_depth: int = 6, min_confidence: float = 0.4,
+                 branching: list[int] | None = None, children: str = "topk",
+                 name: str = "draft"):
+        if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 1:
+            raise ValueError(f"max_depth must be an integer >= 1, got {max_depth!r}")
+        if not 0.0 <= min_confidence <= 1.0:  # NaN fails too
+            raise ValueError(f"min_confidence must be in [0, 1], got {min_confidence}")
+        if branching is not None and (not branching or min(branching) < 1):
+            raise ValueError(f"branching needs one count >= 1 per depth, got {branching}")
+        if children not in ("topk", "sample"):
+            raise ValueError(f"children must be 'topk' or 'sample', got {children!r}")
+        self.model = model
+        self.max_depth = max_depth if branching is None else len(branching)
+        self.min_confidence = min_confidence
+        self.branching = list(branching) if branching is not None else None
+        self.children = children
+        self.name = name
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+
+    def start(self, prompt_ids, hidden, params, generator) -> None:
+        super().start(prompt_ids, hidden, params, generator)
+        self.cache = new_cache(self.model)
+        self.cached: list[int] = []  # tokens on the accepted sequence the draft cache holds
+        self.base = 0
+        self.fed: list[int] = []  # tree nodes whose entries follow the first ``base`` ones
+
+    def _forward(self, tokens: list[int], **kwargs) -> torch.Tensor:
+        return self.model(
+            input_ids=torch.tensor([tokens], device=self.device), cache=self.cache,
+            use_cache=True, **kwargs,
+        ).logits[0]  # (len(tokens) or kept, vocab)
+
+    @torch.no_grad()
+    def propose(self, seq: list[int], max_depth: int) -> DraftTree | None:
+        depth = min(self.max_depth, max_depth)
+        if depth < 1:
+            return None
+        feed = seq[len(self.cached):]
+        logits = self._forward(feed, logits_to_keep=1)[-1]  # (vocab,) at the root
+        self.cached.extend(feed)
+        self.base = len(seq)  # the draft cache now holds all of seq
+        self.fed = []
+        if self.branching is None:
+            return self._chain(logits, depth)
+        return self._tree(logits, depth)
+
+    def _chain(self, logits: torch.Tensor, depth: int) -> DraftTree:
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        for d in range(depth):
+            if self.params.greedy:
+                tok = int(logits.argmax())
+                confidence = (
+                    float(torch.softmax(logits.float(), -1)[tok]) if self.min_confidence > 0 else 1.0
+                )
+            else:
+                q = warp(logits, self.params)
+                tok = int(torch.multinomial(q, 1, generator=self.generator))
+                probs.append(q)
+                confidence = float(q[tok])
+            tokens.append(tok)
+            if d == depth - 1 or confidence < self.min_confidence:
+                break
+            logits = self._forward([tok], logits_to_keep=1)[-1]
+            self.fed.append(len(tokens))
+        return DraftTree.chain(tokens, probs or None)
+
+    def _tree(self, root_logits: torch.Tensor, depth: int) -> DraftTree:
+        tokens: list[int] = []
+        parents: list[int] = []
+        draft_probs: dict[int, torch.Tensor] = {}
+        ancestors: dict[int, list[int]] = {0: []}  # node -> its tree ancestors (root excluded)
+        frontier = [(0, root_logits)]
+        sample = self.children == "sample" and not self.params.greedy
+        for d in range(depth):
+            k = self.branching[d]
+            grown: list[int] = []
+            for node, logits in frontier:
+                if sample:
+                    q = warp(logits, self.params)
+                    kids = torch.multinomial(q, k, replacement=True, generator=self.generator)
+                    draft_probs[node] = q
+                else:
+                    kids = torch.topk(logits, min(k, logits.shape[-1])).indices
+                for tok in kids.tolist():
+                    tokens.append(tok)
+                    parents.append(node)
+                    grown.append(len(tokens))
+                    ancestors[len(tokens)] = ancestors[node] + [len(tokens)]
+            if d == depth - 1:
+                break
+            # one draft forward over the whole new depth: each node sees the accepted sequence
+            # and its own tree ancestors (already in the draft cache) plus itself
+            fed_at = {n: i for i, n in enumerate(self.fed + grown)}
+            allowed = torch.zeros(len(grown), len(fed_at), dtype=torch.bool)
+            for row, n in enumerate(grown):
+                allowed[row, [fed_at[a] for a in ancestors[n]]] = True
+            mask = tree_attention_mask(allowed, self.base, self.dtype, self.device)
+            positions = torch.full((1, len(grown)), self.base + d, device=self.device)
+            out = self._forward([tokens[n - 1] for n in grown], attention_mask=mask,
+                                position_ids=positions)
+            self.fed.extend(grown)
+            frontier = list(zip(grown, out))
+        return DraftTree(tokens, parents, draft_probs)
+
+    def observe(self, seq, tree, path, hidden) -> None:
+        # the cache holds seq[:base] then the fed tree nodes; keep the accepted ones, in order
+        fed_at = {n: i for i, n in enumerate(self.fed)}
+        keep = []
+        for node in path:
+            if node not in fed_at:
+                break
+            keep.append(fed_at[node])
+        keep_tree_path(self.cache, self.base, keep)
+        self.cached = self.cached[: self.base] + [tree.tokens[n - 1] for n in path[: len(keep)]]
+        self.fed = []
+
+
+def parse_branching(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be counts per depth like 4,2,1, got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"must be counts >= 1 per depth like 4,2,1, got {text!r}")
+    return counts
+
+
+def parse_children(text: str) -> str:
+    if text not in ("topk", "sample"):
+        raise argparse.ArgumentTypeError(f"must be topk or sample, got {text!r}")
+    return text
+
+
+DRAFT_FLAGS = (
+    OptionFlag("draft", DraftModelProposer, "max_depth", "--draft-depth", int_at_least(1),
+               "draft: most draft tokens per round (a chain)"),
+    OptionFlag("draft", DraftModelProposer, "min_confidence", "--draft-min-confidence",
+               parse_probability,
+               "draft: stop drafting after a token the draft gives less than this"),
+    OptionFlag("draft", DraftModelProposer, "branching", "--draft-branching", parse_branching,
+               "draft: a static tree instead of a chain, children per node at each depth "
+               "(e.g. 4,2,1)", unset="a chain"),
+    OptionFlag("draft", DraftModelProposer, "children", "--draft-children", parse_children,
+               "draft trees: topk (the draft's best, point-mass rule) or sample (i.i.d. "
+               "samples, SpecInfer's rule; greedy at temperature 0)"),
+)
+DRAFT_FIXED_OPTIONS = {"name": "the method's name on the command line"}
+
+
+def build_draft(arg: str, name: str, ctx: BuildContext) -> EngineMethod:
+    """``draft:<dir|truncate:N>``."""
+    return EngineMethod(name, ctx.engine, DraftModelProposer(
+        ctx.draft(arg), name=name, **ctx.kind_options("draft")))

@@ -1,0 +1,24 @@
+"""The command lines' one error tail: a user's mistake ends in one line and exit status 2.
+
+Every ``python -m ...`` entry point runs its ``main`` through :func:`run_command`: a
+``ValueError`` or ``FileNotFoundError`` (what library code raises at a boundary, saying what it
+received and what to do) is printed as ``<prog>: error: <message>`` instead of a traceback.
+Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+USER_ERRORS = (ValueError, FileNotFoundError)
+
+
+def run_command(main: Callable[[], object], prog: str) -> int:
+    """Run ``main()``; -> its exit status (an int it returns, else 0), or 2 on a user error."""
+    try:
+        result = main()
+    except USER_ERRORS as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    return result if isinstance(result, int) and not isinstance(result, bool) else 0

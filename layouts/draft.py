@@ -1,0 +1,72 @@
+"""Distilled drafts in the layout serving engines load: a plain Hugging Face model directory.
+
+    export_draft_hf(artifact, out)
+
+A distilled draft is already a Hugging Face directory (``config.json`` with a ``draftsmith``
+block, ``model.safetensors``, the target's tokenizer); the export is a clean copy without
+draftsmith's keys, usable as ``assistant_model`` in transformers and as a draft model in vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from heads.output_dir import write_dir
+from layouts.files import ExportOptions, check_format, write_json
+from layouts.verdicts import say
+
+ARTIFACT_METHODS = ("draft",)
+FORMATS = {"draft": ("hf",)}
+REFUSED: dict[tuple[str, str], str] = {}
+NOT_RUN_HERE: dict[str, str] = {}  # transformers loads it here
+
+
+def export_layout(artifact_dir: str | os.PathLike, fmt: str, out_dir: str | os.PathLike,
+                  options: ExportOptions) -> Path:
+    """The layouts table's entry: a distilled draft in ``fmt`` (hf)."""
+    check_format(FORMATS, REFUSED, "draft", fmt)
+    return export_draft_hf(artifact_dir, out_dir, overwrite=options.overwrite)
+
+
+def export_draft_hf(
+    artifact_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False
+) -> Path:
+    """Copy a distilled draft into a clean Hugging Face directory (draftsmith's key removed)."""
+    src = Path(artifact_dir)
+    config = json.loads((src / "config.json").read_text())
+    weights = [p for p in src.iterdir() if p.suffix == ".safetensors"]
+    if not weights:
+        raise FileNotFoundError(f"{src} has no model weights (*.safetensors)")
+    if not any((src / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+        raise FileNotFoundError(
+            f"{src} has no tokenizer files; a draft must ship the target's tokenizer"
+        )
+    config.pop("draftsmith", None)
+    config.pop("method", None)
+
+    def fill(tmp: Path) -> None:
+        for path in src.iterdir():
+            if path.is_file() and path.name not in ("config.json", ".draftsmith"):
+                shutil.copy2(path, tmp / path.name)
+        write_json(tmp / "config.json", config)
+
+    return write_dir(out_dir, fill, kind="export", overwrite=overwrite, protect=[src],
+                     marker={"format": "hf", "source": str(src.resolve())})
+
+
+def check_draft_export(artifact_dir, fmt, out_dir, target) -> bool:
+    """Round trip: transformers loads the export with the artifact's logits."""
+    a = AutoModelForCausalLM.from_pretrained(artifact_dir, trust_remote_code=False).eval()
+    b = AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=False).eval()
+    ids = torch.randint(0, a.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ok = torch.equal(a(ids).logits, b(ids).logits)
+    say("verified" if ok else "FAILED",
+         "round trip: transformers loads the export with the artifact's logits")
+    return ok

@@ -1,0 +1,250 @@
+"""How much memory a training run needs, estimated before the target is loaded.
+
+Every trainer calls :func:`check_fits` with its :class:`MemoryModel` first thing in ``build``: a run whose estimate exceeds
+the device's memory is refused with the estimate, its parts and the keys that shrink it, instead
+of failing with an out-of-memory error after the target has loaded (minutes on an 8B target) or
+after the feature cache is written (hours).
+
+The estimate is the peak of one training step on one process (``python -m train.memory`` prints
+it for a config):
+
+* **weights**: the frozen target in the dtype it is loaded in (bf16 on GPU, fp32 on CPU);
+* **trained parameters**: fp32 master weights, gradients and AdamW's two moments (16 bytes per
+  parameter), the gradient being accumulated as it arrives (4 more: the measured intercept of a
+  step), and DDP's gradient buckets when there are several processes (4 more);
+* **activations** (the trainer's :class:`MemoryModel` counts its own): per token of a micro-batch (``max_tokens_per_batch``, else
+  ``per_device_batch_size x max_length``, padding counted): what the trained module keeps for its
+  backward pass, the frozen target's no-grad forward (one layer's temporaries and the hidden
+  states the head reads), and one chunk of the large-vocabulary loss (``loss_chunk_size`` x
+  vocabulary, a few times), which does not grow with the sequence.
+
+The per-token figures are a decoder layer's saved tensors counted from its shapes, scaled by
+factors measured on this machine (``scripts/memory_growth.py`` ->
+``reports/memory_growth.json``, which ``tests/test_memory_estimate.py`` checks the estimate
+against): a step's memory grows linearly in tokens and test-time steps, and the slopes at
+SmolLM2's and Llama-3.1-8B's widths agree with the shape count within the factors below.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GIB = 1024 ** 3
+
+# measured slope / shape count, the larger of the two widths measured (reports/memory_growth.json)
+LAYER_FACTOR = 1.15   # a decoder layer's forward+backward (SmolLM2 1.10, Llama-3.1-8B 1.08)
+EAGLE_FACTOR = 1.40   # one EAGLE test-time step (SmolLM2 1.31, Llama-3.1-8B 1.06)
+NO_GRAD_FACTOR = 1.15  # the frozen target's no-grad forward, per token (one layer's temporaries)
+LOSS_CHUNK_COPIES = 6  # logits, log-softmax, the target's logits and distribution, gradients
+#                        (Llama-3.1-8B's EAGLE-1, full vocabulary, T 128 -> 256: 5.4 measured)
+HEADROOM = 0.92        # the share of a device's memory a run may plan to use
+# the process itself: the CUDA context and the caching allocator's slack on a GPU; on a CPU the
+# interpreter, torch, the tokenised data and glibc's retained arenas (train.speed measured 2.36 GB
+# peak for 1.56 GB of tensors, an EAGLE-3 step of 2048 tokens on smollm2-135m)
+RUNTIME_BYTES = {"cuda": 2.0 * 1024 ** 3, "cpu": 1.0 * 1024 ** 3}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The few numbers of a decoder-only model's config.json that memory depends on."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def from_config(cls, config: dict) -> Shape:
+        config = config.get("text_config", config)  # multimodal wrappers keep the LM inside
+        try:
+            hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+            return cls(hidden=hidden, intermediate=int(config["intermediate_size"]),
+                       layers=int(config["num_hidden_layers"]), heads=heads,
+                       kv_heads=int(config.get("num_key_value_heads") or heads),
+                       head_dim=int(config.get("head_dim") or hidden // heads),
+                       vocab=int(config["vocab_size"]),
+                       tied=bool(config.get("tie_word_embeddings", False)))
+        except KeyError as missing:
+            raise ValueError(f"config.json lacks {missing}: not a decoder-only language "
+                             "model draftsmith can estimate") from None
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_params(self, input_dim: int | None = None) -> int:
+        """One decoder layer; ``input_dim`` is what q, k and v read (2 x hidden in EAGLE-3)."""
+        x = input_dim or self.hidden
+        return (x * (self.q_dim + 2 * self.kv_dim) + self.q_dim * self.hidden
+                + 3 * self.hidden * self.intermediate + 2 * self.hidden)
+
+    def params(self, layers: int | None = None) -> int:
+        n = self.layers if layers is None else layers
+        return (self.vocab * self.hidden * (1 if self.tied else 2) + n * self.layer_params()
+                + self.hidden)
+
+    def layer_saved_per_token(self, input_dim: int | None = None) -> int:
+        """Values a layer keeps for its backward pass, per token (elements): norms and
+        residuals, q/k/v and the attention output, the MLP's gate, up, activation and product."""
+        x = input_dim or self.hidden
+        return 3 * self.hidden + x + 2 * self.q_dim + 2 * self.kv_dim + 4 * self.intermediate
+
+    def no_grad_per_token(self) -> int:
+        """Temporaries of one layer's no-grad forward, per token (elements)."""
+        return 2 * self.hidden + self.q_dim + 2 * self.kv_dim + 3 * self.intermediate
+
+
+@dataclass
+class Estimate:
+    parts: dict[str, float] = field(default_factory=dict)  # bytes
+    tokens: int = 0
+    device: str = "cpu"
+    capacity: float | None = None  # bytes
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    def table(self) -> str:
+        rows = [f"  {name:<46} {size / GIB:8.2f} GiB" for name, size in self.parts.items()]
+        return "\n".join(rows + [f"  {'total':<46} {self.total / GIB:8.2f} GiB"])
+
+
+def model_shape(spec: str) -> Shape:
+    """The shape of a target or draft from its config.json, without loading any weights."""
+    from heads.target import check_model_directory, resolve_target
+
+    return Shape.from_config(check_model_directory(resolve_target(spec)))
+
+
+def tokens_per_micro_batch(cfg) -> int:
+    if cfg.max_tokens_per_batch is not None:
+        return int(cfg.max_tokens_per_batch)
+    return int(cfg.per_device_batch_size) * int(cfg.max_length)
+
+
+@dataclass(frozen=True)
+class StepSizes:
+    """What every trainer's memory parts are computed from, besides its config and shapes."""
+
+    tokens: int  # per micro-batch, padding counted
+    act: int  # bytes of a saved activation (2 under bf16/fp16 autocast or on a GPU, else 4)
+    weight: int  # bytes of a frozen target weight (2 on a GPU, 4 on a CPU)
+    processes: int
+    target_forward: float  # bytes of the frozen target's no-grad forward over the micro-batch
+    draft: Shape | None = None  # a separate draft model's shape (distillation from a directory)
+
+
+def loss_chunk_bytes(cfg, tokens: int, vocab: int) -> float:
+    """One chunk of the large-vocabulary loss (``loss_chunk_size`` x vocabulary, a few copies)."""
+    return LOSS_CHUNK_COPIES * min(cfg.loss_chunk_size, tokens) * vocab * 4
+
+
+def optimizer_bytes(params: int, processes: int) -> float:
+    """fp32 master weights, gradients, AdamW's two moments, the accumulated gradient and DDP's
+    buckets (with several processes), per trained parameter."""
+    return params * (16 + 4 + (4 if processes > 1 else 0))
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """A trainer's share of the estimate, defined beside its recipe (train/<method>.py).
+
+    ``parts(cfg, target, sizes) -> {name: bytes}``: what one step adds beyond the process and
+    the frozen target's weights (the trained module with AdamW, its activations, the loss chunk,
+    the target's forward); ``shrink_keys``: the config keys that shrink them, named when a run is
+    refused; ``draft_spec(cfg)``: a separate model whose config.json the parts read (None: none).
+    """
+
+    parts: Callable[[Any, Shape, StepSizes], dict[str, float]]
+    shrink_keys: str
+    draft_spec: Callable[[Any], str | None] | None = None
+
+    def estimate(self, cfg, target: Shape, *, device: str = "cpu", processes: int = 1,
+                 draft: Shape | None = None) -> Estimate:
+        """Peak bytes of one training step on one process."""
+        on_gpu = device != "cpu"
+        bf16 = on_gpu or getattr(cfg, "mixed_precision", "no") in ("bf16", "fp16")
+        act = 2 if bf16 else 4
+        n = tokens_per_micro_batch(cfg)
+        sizes = StepSizes(tokens=n, act=act, weight=2 if on_gpu else 4, processes=processes,
+                          target_forward=NO_GRAD_FACTOR * target.no_grad_per_token() * act * n,
+                          draft=draft)
+        est = Estimate(tokens=n, device=device)
+        est.parts["process (CUDA context, allocator)" if on_gpu
+                  else "process (python, torch, data)"] = RUNTIME_BYTES["cuda" if on_gpu else "cpu"]
+        est.parts["frozen target weights"] = target.params() * sizes.weight
+        est.parts.update(self.parts(cfg, target, sizes))
+        return est
+
+    def estimate_run(self, cfg, device: str = "cpu", processes: int = 1) -> Estimate:
+        """:meth:`estimate` for a config, the shapes read from the target's (and a draft
+        directory's) config.json."""
+        spec = self.draft_spec(cfg) if self.draft_spec else None
+        draft = model_shape(spec) if spec else None
+        return self.estimate(cfg, model_shape(cfg.target), device=device, processes=processes,
+                             draft=draft)
+
+
+def device_capacity(device) -> float | None:
+    """Bytes a run on ``device`` may use: the GPU's total memory, or the memory the system has
+    available now (``MemAvailable``) on a CPU. None where it cannot be read."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class DoesNotFit(ValueError):
+    """The run's estimated peak memory exceeds the device's."""
+
+
+def check_fits(cfg, accelerator, memory: MemoryModel) -> Estimate | None:
+    """Refuse, before the target loads, a run whose estimated peak exceeds the device's memory.
+
+    Returns the estimate (None where the target's config cannot be read here: loading it then
+    reports the problem). ``DRAFTSMITH_SKIP_MEMORY_CHECK=1`` turns the refusal into a warning,
+    for a user who knows better than the estimate.
+    """
+    device = str(accelerator.device.type)
+    try:
+        est = memory.estimate_run(cfg, device, accelerator.num_processes)
+    except (FileNotFoundError, ValueError, OSError):
+        return None
+    est.capacity = device_capacity(accelerator.device)
+    if est.capacity is None:
+        return est
+    budget = HEADROOM * est.capacity
+    if est.total > budget:
+        message = (
+            f"this run needs about {est.total / GIB:.1f} GiB per process on {device}, more than "
+            f"the {budget / GIB:.1f} GiB it may use ({HEADROOM:.0%} of "
+            f"{est.capacity / GIB:.1f} GiB {'total' if device == 'cuda' else 'available'}); "
+            f"estimated peak of one step over {est.tokens} tokens per micro-batch:\n{est.table()}"
+            f"\nShrink it with {memory.shrink_keys} (the README's memory section gives the "
+            "figures per key); DRAFTSMITH_SKIP_MEMORY_CHECK=1 runs it anyway.")
+        if os.environ.get("DRAFTSMITH_SKIP_MEMORY_CHECK") == "1":
+            accelerator.print(f"[draftsmith] warning: {message}")
+        else:
+            raise DoesNotFit(message)
+    return est

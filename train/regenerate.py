@@ -1,0 +1,593 @@
+"""Self-distillation: the target's own answers to the prompts, written as training rows.
+
+:func:`regenerate` lets the target answer every user turn of the prompts itself, through ``transformers`` in this process (``--backend hf``) or any OpenAI-compatible
+server (``--backend openai``), sharded over processes and resumable, and writes the
+conversations as JSONL (``messages`` format) that :func:`train.data.load_sft_dataset` reads
+back. ``python -m train.data`` is this module's command line::
+
+    python -m train.data regenerate --target smollm2-135m --data a.json b.jsonl \\
+        --out answers.jsonl --max-new-tokens 512 --temperature 0.7 --batch-size 16
+    python -m train.data regenerate --backend openai --url http://127.0.0.1:8000/v1 \\
+        --model NAME --target TARGET --data a.json --out answers.jsonl --concurrency 64
+    torchrun --nproc_per_node 8 -m train.data regenerate --target TARGET --data a.json \\
+        --out answers.jsonl          # one shard per process, merged when the last one ends
+    python -m train.data regenerate ... --shard 3/8   # shard 3 of 8 (counting from 0)
+    python -m train.data merge --out answers.jsonl    # join answers.shard-I-of-N.jsonl
+    python -m train.data inspect --target smollm2-135m --data answers.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from heads.target import Target
+from train.data import (
+    DataReport,
+    default_cache_dir,
+    examples,
+    load_sft_dataset,
+    read_conversations,
+)
+from train.regenerate_backends import (
+    Answer,
+    HFBackend,
+    OpenAIBackend,
+    check_server_tokens,
+)
+
+Prompt = list[list[dict]]  # the user turns of one conversation, each turn a list of messages
+
+
+def user_turns(messages: Sequence[Mapping]) -> Prompt:
+    """What a conversation gives its assistant to answer: one list of messages per turn.
+
+    Assistant messages close a turn and are dropped (regeneration answers in their place); the
+    system and user messages before an answer form the turn it answers, so ``[system, user,
+    assistant, user]`` has two turns. Trailing messages with no user message are dropped.
+    """
+    turns: Prompt = []
+    pending: list[dict] = []
+    for message in messages:
+        if message["role"] != "assistant":
+            pending.append(dict(message))
+        elif any(m["role"] == "user" for m in pending):
+            turns.append(pending)
+            pending = []
+    if any(m["role"] == "user" for m in pending):
+        turns.append(pending)
+    return turns
+
+
+def load_prompts(
+    sources: str | os.PathLike | Iterable[str | os.PathLike],
+) -> tuple[list[Prompt], DataReport]:
+    """Each usable row's user turns (:func:`user_turns`; its answers dropped), and the report.
+
+    Rows without an assistant turn (such as ShareGPT first turns) are one-turn prompts.
+    """
+    conversations, report = read_conversations(sources)
+    prompts = []
+    for conversation in conversations:
+        turns = user_turns(conversation["messages"])
+        counts = report.sources[conversation["source"]]
+        if not turns:
+            counts.skip(conversation["row"], "no user turn")
+            continue
+        prompts.append(turns)
+        counts.used += 1
+    return prompts, report
+
+
+def parse_shard(spec: str | Sequence[int]) -> tuple[int, int]:
+    """``"I/N"`` (or ``(I, N)``) -> (I, N): shard I of N, counting from 0."""
+    try:
+        index, count = (int(x) for x in (spec.split("/") if isinstance(spec, str) else spec))
+    except (ValueError, TypeError):
+        raise ValueError(f"a shard is I/N with whole numbers, such as 0/4, got {spec!r}") from None
+    if not 0 <= index < count:
+        raise ValueError(f"shard {index}/{count}: I/N needs 0 <= I < N (shards count from 0), "
+                         f"got {spec!r}")
+    return index, count
+
+
+def shard_path(out_path: str | os.PathLike, index: int, count: int) -> Path:
+    """Where shard ``index`` of ``count`` writes: ``answers.shard-I-of-N.jsonl`` beside ``out``."""
+    out = Path(out_path)
+    return out.with_name(f"{out.stem}.shard-{index}-of-{count}{out.suffix}")
+
+
+def _done_path(shard: Path) -> Path:
+    return shard.with_name(shard.name + ".done")
+
+
+@dataclass
+class _Conversation:
+    """A conversation being regenerated: its user turns and the history answered so far."""
+
+    index: int
+    turns: Prompt
+    messages: list[dict] = field(default_factory=list)
+    answered: int = 0
+    finished: bool = True
+    cut: bool = False
+    next_ids: list[int] | None = None
+
+    def next_input(self) -> list[dict]:
+        return [*self.messages, *self.turns[self.answered]]
+
+    def add(self, prompt: list[dict], answer: Answer) -> None:
+        self.messages = [*prompt, {"role": "assistant", "content": answer.text}]
+        self.answered += 1
+        self.finished = self.finished and answer.finished
+
+    def record(self) -> dict:
+        return {"messages": self.messages, "prompt_index": self.index, "turns": self.answered,
+                "finished": self.finished, "cut": self.cut}
+
+
+def _prepare(conversation: _Conversation, backend, limit: int, max_new_tokens: int) -> str:
+    """"more" (the next turn fits; its ids are set), "done" (every turn answered, or the next no
+    longer fits: cut at this turn boundary) or "skip" (not even the first turn fits)."""
+    if conversation.answered == len(conversation.turns):
+        return "done"
+    ids = backend.prompt_ids(conversation.next_input())
+    if len(ids) + max_new_tokens <= limit:
+        conversation.next_ids = ids
+        return "more"
+    if conversation.answered == 0:
+        return "skip"
+    conversation.cut = True
+    return "done"
+
+
+def _records(path: Path) -> Iterable[tuple[int, str, dict]]:
+    """(line number, line, record) of every complete line of a regenerate file."""
+    data = path.read_bytes()
+    for lineno, line in enumerate(data[: data.rfind(b"\n") + 1].decode("utf-8").split("\n"), 1):
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+            if not (isinstance(record, dict) and isinstance(record["prompt_index"], int)
+                    and isinstance(record["messages"], list)):
+                raise TypeError
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{path}: line {lineno} is not a row regenerate wrote; give another "
+                             f"--out file") from None
+        yield lineno, line, record
+
+
+def _answered(path: Path, prompts: list[Prompt], shard: tuple[int, int]) -> set[int]:
+    """Prompt indices already answered in ``path``; a half-written last line is cut off."""
+    if not path.exists():
+        return set()
+    size = path.stat().st_size
+    complete = path.read_bytes().rfind(b"\n") + 1
+    if complete < size:  # killed in the middle of a line
+        with open(path, "r+b") as f:
+            f.truncate(complete)
+    done = set()
+    for lineno, _, record in _records(path):
+        index = record["prompt_index"]
+        given = [m for m in record["messages"] if m.get("role") != "assistant"]
+        turns = record.get("turns", 1)
+        if not (0 <= index < len(prompts) and index % shard[1] == shard[0]
+                and given == [m for turn in prompts[index][:turns] for m in turn]):
+            raise ValueError(f"{path} line {lineno} answers another prompt than prompt {index} "
+                             f"of these data (shard {shard[0]}/{shard[1]}); resume with the same "
+                             f"data files and shards, or give another --out file")
+        done.add(index)
+    return done
+
+
+class _Writer:
+    """Appends finished conversations to a JSONL file: flushed per line (a killed process loses
+    nothing written), fsynced every few seconds and at the end (a crashed machine)."""
+
+    def __init__(self, path: Path):
+        self.file = open(path, "a", encoding="utf-8")  # closed by close()
+        self.synced = time.monotonic()
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.file.flush()
+        if time.monotonic() - self.synced > 5:
+            os.fsync(self.file.fileno())
+            self.synced = time.monotonic()
+
+    def close(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+
+
+def _request_seed(seed: int, index: int, turn: int) -> int:
+    """A per-request seed: reproducible whatever order the requests are answered in."""
+    return ((seed * 1_000_003 + index) * 1009 + turn) % (1 << 31)
+
+
+def regenerate(
+    backend: Target | HFBackend | OpenAIBackend,
+    prompts_or_files: Sequence[list[dict]] | str | os.PathLike | Iterable[str | os.PathLike],
+    out_path: str | os.PathLike,
+    *,
+    max_new_tokens: int = 512,
+    temperature: float = 0.7,
+    top_p: float = 0.95,
+    batch_size: int = 8,
+    max_prompts: int | None = None,
+    max_turns: int | None = None,
+    max_length: int | None = None,
+    seed: int = 0,
+    shard: tuple[int, int] | str = (0, 1),
+    progress: bool = True,
+) -> int:
+    """Let the target answer every user turn of the prompts itself; write them as JSONL.
+
+    ``backend`` is a loaded :class:`Target` (run as ``HFBackend(target, batch_size=batch_size)``),
+    an :class:`HFBackend` or an :class:`OpenAIBackend`. ``prompts_or_files`` are conversations
+    (lists of messages; their assistant turns are dropped) or data sources read with
+    :func:`load_prompts`; only the first ``max_prompts`` count. Turn 1 is answered, the answer
+    appended, turn 2 answered given that history, and so on, at most ``max_turns`` turns. A
+    conversation whose next turn plus ``max_new_tokens`` no longer fits in ``max_length`` (default:
+    the target's context) is cut at that turn boundary and counted; one whose first turn does
+    not fit is skipped and counted.
+
+    Sharding: ``shard=(I, N)`` (or ``"I/N"``) answers prompts ``I, I + N, ...`` into
+    :func:`shard_path` (``answers.shard-I-of-N.jsonl``), so N processes (``torchrun``, ``accelerate
+    launch``, several machines) share the work; :func:`merge_shards` then joins them in input
+    order. With N = 1, ``out_path`` itself is written.
+
+    Each line is ``{"messages", "prompt_index", "turns", "finished", "cut"}`` (``finished``: every
+    answer ended by itself rather than at ``max_new_tokens``; ``cut``: turns were left unanswered
+    because the history no longer fit), written and flushed when its conversation is complete.
+    Rerunning with the same prompts and shard continues where the file stops; a process killed
+    at any moment loses only the conversations in flight. ``temperature`` 0 is greedy. Returns
+    the number of conversations answered by this call.
+    """
+    if isinstance(backend, Target):
+        backend = HFBackend(backend, batch_size=batch_size)
+    for name, value in (("max_new_tokens", max_new_tokens), ("max_prompts", max_prompts),
+                        ("max_turns", max_turns), ("max_length", max_length)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if not (math.isfinite(temperature) and temperature >= 0 and 0 < top_p <= 1):
+        raise ValueError(f"need a finite temperature >= 0 and 0 < top_p <= 1, got {temperature}, "
+                         f"{top_p}")
+    index, count = parse_shard(shard)
+    if _is_prompt_list(prompts_or_files):
+        prompts = [user_turns(p) for p in prompts_or_files]
+        empty = [i for i, turns in enumerate(prompts) if not turns]
+        if empty:
+            raise ValueError(f"prompts {examples(empty)} have no user message")
+    else:
+        prompts, report = load_prompts(prompts_or_files)
+        if progress:
+            print(report.summary(), flush=True)
+    prompts = prompts[:max_prompts]
+    out = Path(out_path) if count == 1 else shard_path(out_path, index, count)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = _answered(out, prompts, (index, count))
+    todo = [_Conversation(i, prompts[i][:max_turns]) for i in range(index, len(prompts), count)
+            if i not in done]
+    limit = min(backend.max_context, max_length or backend.max_context)
+    finished_mark = _done_path(out)
+    if todo and finished_mark.exists():
+        finished_mark.unlink()
+    settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    skipped: list[int] = []
+    cut: list[int] = []
+    writer = _Writer(out)
+
+    def finish(conversation: _Conversation) -> None:
+        writer.write(conversation.record())
+        if conversation.cut:
+            cut.append(conversation.index)
+
+    try:
+        with tqdm(total=len(todo), desc=f"regenerating {out.name}", unit="conv",
+                  disable=not progress) as bar:
+            if isinstance(backend, OpenAIBackend):
+                if todo:
+                    backend.check()
+                _converse_concurrently(backend, todo, limit, seed, settings, finish,
+                                       skipped, bar)
+            else:
+                _converse_batched(backend, todo, limit, seed, settings, finish, skipped, bar)
+    finally:
+        writer.close()
+    answered = len(todo) - len(skipped)
+    if progress:
+        where = f"shard {index}/{count} " if count > 1 else ""
+        print(f"[draftsmith] {where}answered {answered} conversations into {out}" + (
+            f"; {len(cut)} cut at a turn boundary (history + max_new_tokens > {limit} tokens; "
+            f"prompt indices {examples(cut)})" if cut else "") + (
+            f"; {len(skipped)} skipped, their first turn + max_new_tokens > {limit} tokens "
+            f"(prompt indices {examples(skipped)})" if skipped else ""), flush=True)
+    if count > 1:
+        finished_mark.write_text(json.dumps({"shard": [index, count], "prompts": len(prompts),
+                                             "skipped": skipped}))
+    return answered
+
+
+def _converse_batched(backend: HFBackend, todo, limit, seed, settings, finish, skipped, bar):
+    """A pool of ``batch_size`` conversations; each call answers the next turn of all of them,
+    finished conversations leave and new ones take their place."""
+    ready = {c.index: _prepare(c, backend, limit, settings["max_new_tokens"]) for c in todo}
+    # longest first: similar lengths share a batch, and memory errors come early
+    queue = deque(sorted(todo, key=lambda c: (-len(c.next_ids or ()), c.index)))
+    rng_devices = [backend.target.device] if backend.target.device.type == "cuda" else []
+    active: list[_Conversation] = []
+    with torch.random.fork_rng(devices=rng_devices):
+        torch.manual_seed(seed)
+        while queue or active:
+            while queue and len(active) < backend.batch_size:
+                conversation = queue.popleft()
+                if ready[conversation.index] == "skip":
+                    skipped.append(conversation.index)
+                    bar.update(1)
+                else:
+                    active.append(conversation)
+            if not active:
+                break
+            inputs = [c.next_input() for c in active]
+            answers = backend.answer_batch([c.next_ids for c in active], **settings)
+            still = []
+            for conversation, prompt, answer in zip(active, inputs, answers, strict=True):
+                conversation.add(prompt, answer)
+                if _prepare(conversation, backend, limit, settings["max_new_tokens"]) == "more":
+                    still.append(conversation)
+                else:
+                    finish(conversation)
+                    bar.update(1)
+            active = still
+
+
+def _converse_concurrently(backend: OpenAIBackend, todo, limit, seed, settings, finish,
+                           skipped, bar):
+    """Each conversation is one task answering its turns in order; ``concurrency`` tasks run at
+    once. The first turn of the first conversation is asked alone and checked first."""
+
+    def converse(conversation: _Conversation, check: bool = False) -> tuple[_Conversation, str]:
+        while (status := _prepare(conversation, backend, limit, settings["max_new_tokens"])) == "more":
+            prompt = conversation.next_input()
+            answer = backend.answer(prompt, seed=_request_seed(seed, conversation.index,
+                                                               conversation.answered), **settings)
+            if check and conversation.answered == 0:
+                check_server_tokens(backend.tokenizer, prompt, answer)
+            conversation.add(prompt, answer)
+            if check:
+                return conversation, "more"
+        return conversation, status
+
+    rest = list(todo)
+    while rest:  # the check: the first conversation whose first turn fits
+        conversation, status = converse(rest.pop(0), check=True)
+        if status == "skip":
+            skipped.append(conversation.index)
+            bar.update(1)
+            continue
+        rest.insert(0, conversation)
+        break
+    pool = ThreadPoolExecutor(max_workers=backend.concurrency)
+    try:
+        futures = [pool.submit(converse, c) for c in rest]
+        for future in as_completed(futures):
+            conversation, status = future.result()
+            if status == "skip":
+                skipped.append(conversation.index)
+            else:
+                finish(conversation)
+            bar.update(1)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def merge_shards(out_path: str | os.PathLike, num_shards: int | None = None, *,
+                 partial: bool = False) -> int:
+    """Join ``answers.shard-I-of-N.jsonl`` into ``out_path`` in input (prompt) order.
+
+    ``num_shards`` defaults to the N of the shard files found. Every shard must have finished
+    (regenerate marks it) unless ``partial``. An existing ``out_path`` is replaced only when every
+    row in it is also in the shards, unchanged (an earlier merge of the same shards), so nothing
+    written is lost. Written to a temporary file and renamed. Returns the number of rows.
+    """
+    out = Path(out_path)
+    if num_shards is None:
+        found = {int(p.name.rsplit("-of-", 1)[1].split(".")[0])
+                 for p in out.parent.glob(f"{out.stem}.shard-*-of-*{out.suffix}")}
+        if len(found) != 1:
+            raise FileNotFoundError(
+                f"no shard files {out.stem}.shard-I-of-N{out.suffix} in {out.parent or '.'}"
+                if not found else
+                f"shard files of several shard counts {sorted(found)} beside {out}; pass --shards")
+        num_shards = found.pop()
+    paths = [shard_path(out, i, num_shards) for i in range(num_shards)]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"shard files missing: {missing}; run regenerate for those shards")
+    unfinished = [str(p) for p in paths if not _done_path(p).is_file()]
+    if unfinished and not partial:
+        raise ValueError(f"shards not finished: {unfinished}; rerun regenerate for them (it "
+                         f"continues where they stopped), or merge what is there with --partial")
+    considered = {str(p): json.loads(_done_path(p).read_text())["prompts"] for p in paths
+                  if _done_path(p).is_file()}
+    if len(set(considered.values())) > 1 and not partial:
+        raise ValueError(f"the shards answered different numbers of prompts {considered} (other "
+                         f"--max-prompts or data); rerun the short ones with the same settings, "
+                         f"or merge what is there with --partial")
+    lines: dict[int, str] = {}
+    for path in paths:
+        for lineno, line, record in _records(path):
+            index = record["prompt_index"]
+            if index in lines:
+                raise ValueError(f"{path} line {lineno}: prompt {index} is answered twice in the "
+                                 f"shards of {out}; were shards of different runs mixed?")
+            lines[index] = line
+    if out.exists():
+        for lineno, line, record in _records(out):
+            if lines.get(record["prompt_index"]) != line:
+                raise ValueError(f"{out} exists and line {lineno} is not in the shards: merging "
+                                 f"would lose it; give another output file")
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(lines[i] + "\n" for i in sorted(lines))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+    return len(lines)
+
+
+def _is_prompt_list(value: Any) -> bool:
+    return (isinstance(value, Sequence) and not isinstance(value, str) and len(value) > 0
+            and all(isinstance(p, list) and all(isinstance(m, dict) for m in p) for p in value))
+
+
+# ------------------------------------------------------------------------------------------------
+# Command line
+
+
+def _launcher_shard() -> tuple[int, int]:
+    """(RANK, WORLD_SIZE) as torchrun and accelerate launch set them; (0, 1) otherwise."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m train.data",
+                                     description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    regen_parser = commands.add_parser(
+        "regenerate", help="let the target answer every turn of the prompts itself")
+    inspect_parser = commands.add_parser("inspect", help="tokenise the data and print the report")
+    merge_parser = commands.add_parser(
+        "merge", help="join the shard files of regenerate --shard into one file, in input order")
+    for command in (regen_parser, inspect_parser):
+        command.add_argument("--target", required=True,
+                             help="target: embedded name, Hugging Face directory or .gguf file "
+                                  "(--backend openai: its tokenizer and template count and check "
+                                  "tokens; the model runs in the server)")
+        command.add_argument("--data", nargs="+", required=True,
+                             help="JSON/JSONL files or Hub dataset ids")
+    regen_parser.add_argument("--out", required=True,
+                              help="JSONL file to append to (resumable); with shards, "
+                                   "OUT.shard-I-of-N.jsonl beside it")
+    regen_parser.add_argument("--backend", choices=("hf", "openai"), default="hf",
+                              help="hf: transformers generate in this process; openai: an "
+                                   "OpenAI-compatible server (vLLM, SGLang, TGI, transformers serve)")
+    regen_parser.add_argument("--url", help="openai: the server's address, e.g. "
+                                            "http://127.0.0.1:8000/v1")
+    regen_parser.add_argument("--model", help="openai: the model name the server serves")
+    regen_parser.add_argument("--concurrency", type=int, default=8,
+                              help="openai: conversations in flight")
+    regen_parser.add_argument("--timeout", type=float, default=600.0,
+                              help="openai: seconds to wait for one answer")
+    regen_parser.add_argument("--retries", type=int, default=5,
+                              help="openai: retries of a request after a connection error, "
+                                   "429 or 5xx (exponential backoff)")
+    regen_parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                              help="openai: bearer token, if the server wants one (default: "
+                                   "$OPENAI_API_KEY)")
+    regen_parser.add_argument("--shard", default=None,
+                              help="I/N: answer prompts I, I+N, ... into OUT.shard-I-of-N.jsonl "
+                                   "(default: RANK/WORLD_SIZE under torchrun or accelerate "
+                                   "launch, else 0/1)")
+    regen_parser.add_argument("--max-new-tokens", type=int, default=512)
+    regen_parser.add_argument("--max-turns", type=int, default=None,
+                              help="answer at most this many user turns per conversation")
+    regen_parser.add_argument("--max-length", type=int, default=None,
+                              help="longest conversation in tokens (default: the target's "
+                                   "context); later turns are cut at a turn boundary")
+    regen_parser.add_argument("--temperature", type=float, default=0.7, help="0 for greedy")
+    regen_parser.add_argument("--top-p", type=float, default=0.95)
+    regen_parser.add_argument("--batch-size", type=int, default=8,
+                              help="hf: conversations per generate call")
+    regen_parser.add_argument("--max-prompts", type=int, default=None)
+    regen_parser.add_argument("--seed", type=int, default=0)
+    regen_parser.add_argument("--device", default=None,
+                              help="hf: default cuda (cuda:LOCAL_RANK under a launcher) when "
+                                   "available, else cpu")
+    regen_parser.add_argument("--dtype", default=None, help="hf: default bf16 on GPU, fp32 on CPU")
+    inspect_parser.add_argument("--max-length", type=int, default=2048)
+    inspect_parser.add_argument("--num-proc", type=int, default=None,
+                                help="tokenising processes (default: one per core, for large data)")
+    inspect_parser.add_argument("--cache-dir", default=None, help=f"default: {default_cache_dir()}")
+    merge_parser.add_argument("--out", required=True,
+                              help="the --out given to regenerate; its shard files are joined")
+    merge_parser.add_argument("--shards", type=int, default=None,
+                              help="N (default: the N of the shard files found)")
+    merge_parser.add_argument("--partial", action="store_true",
+                              help="merge shards that have not finished too")
+    args = parser.parse_args(argv)
+
+    if args.command == "merge":
+        rows = merge_shards(args.out, args.shards, partial=args.partial)
+        print(f"merged {rows} conversations into {args.out}")
+    elif args.command == "regenerate":
+        shard = parse_shard(args.shard if args.shard is not None else _launcher_shard())
+        if args.backend == "openai":
+            backend = _openai_backend(args, parser)
+        else:
+            from heads.target import load_target
+
+            device = args.device
+            if device is None and torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+                device = f"cuda:{os.environ['LOCAL_RANK']}"
+            target = load_target(args.target, device=device, dtype=args.dtype)
+            backend = HFBackend(target, batch_size=args.batch_size)
+        written = regenerate(
+            backend, args.data, args.out, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size,
+            max_prompts=args.max_prompts, max_turns=args.max_turns, max_length=args.max_length,
+            seed=args.seed, shard=shard,
+        )
+        print(f"answered {written} prompts")
+        if shard[1] > 1:
+            marks = [_done_path(shard_path(args.out, i, shard[1])) for i in range(shard[1])]
+            if all(m.is_file() for m in marks):  # the last shard to finish joins them
+                rows = merge_shards(args.out, shard[1])
+                print(f"every shard has finished: merged {rows} conversations into {args.out}")
+    else:
+        from transformers import AutoTokenizer
+
+        from heads.target import resolve_target
+
+        tokenizer = AutoTokenizer.from_pretrained(str(resolve_target(args.target)),
+                                                  trust_remote_code=False)
+        dataset, report = load_sft_dataset(args.data, tokenizer, max_length=args.max_length,
+                                           cache_dir=args.cache_dir, num_proc=args.num_proc)
+        print(report.summary())
+        if len(dataset):
+            print(f"{len(dataset)} sequences, longest {max(dataset['length'])} tokens")
+
+
+def _openai_backend(args, parser) -> OpenAIBackend:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from heads.target import resolve_target
+
+    if not args.url or not args.model:
+        parser.error("--backend openai needs --url (e.g. http://127.0.0.1:8000/v1) and --model")
+    path = resolve_target(args.target)
+    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    context = getattr(AutoConfig.from_pretrained(str(path), trust_remote_code=False),
+                      "max_position_embeddings", None)
+    return OpenAIBackend(args.url, args.model, tokenizer, concurrency=args.concurrency,
+                         max_context=context, timeout=args.timeout, retries=args.retries,
+                         api_key=args.api_key)
+
+
+if __name__ == "__main__":
+    main()
