@@ -13,7 +13,7 @@ SHIPPED_MEDUSA := artifacts/smollm2-135m/medusa
 SHIPPED_TREE ?= --tree auto --draft-dtype bf16
 STAMP := .install.stamp
 
-.PHONY: install test test-slow bench demo lint clean
+.PHONY: install test test-slow bench bench-llama llama-cpp demo lint clean
 
 install: $(STAMP)
 
@@ -37,6 +37,19 @@ bench: install
 	  --method eagle:$(SHIPPED_EAGLE) --method medusa:$(SHIPPED_MEDUSA) $(SHIPPED_TREE) \
 	  --prompts $(BENCH_PROMPTS) --num-prompts $(BENCH_N) --max-new-tokens 128 \
 	  --temperature 0 --out reports/bench.json --html reports/bench.html
+
+# llama.cpp (llama-server and its converter), built once from the pinned source the PyPI sdist of
+# llama-cpp-python vendors, into ~/.cache/draftsmith/llama.cpp/<commit>/ (it says how long it took)
+llama-cpp: install
+	$(PYTHON) -m layouts.llama_cpp build
+
+# the shipped heads served by llama.cpp itself, beside its plain decoding and its n-gram lookups
+bench-llama: install llama-cpp
+	$(PYTHON) -m eval.bench --engine llama.cpp --target smollm2-135m --threads $(THREADS) \
+	  --method plain --method ngram:ngram-simple --method ngram:ngram-mod \
+	  --method eagle:$(SHIPPED_EAGLE) --llama-draft-max 1 --cross-check \
+	  --prompts $(BENCH_PROMPTS) --num-prompts $(BENCH_N) --max-new-tokens 128 \
+	  --temperature 0 --out reports/bench_llama.json --html reports/bench_llama.html
 
 # the main job on the embedded target: data -> accelerate launch train/eagle.py (~12 min on 2
 # cores) -> export -> eval.bench against hf, hf-pld and hf-assisted; see scripts/demo.sh

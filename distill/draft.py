@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from heads.artifact import FORMAT_VERSION
+from heads.artifact import FORMAT_VERSION, check_finite
 from heads.file_formats import read_json_object
 from heads.output_dir import write_dir
 from heads.target import Target, check_model_directory, freeze, is_hub_id, resolve_target
@@ -368,6 +368,7 @@ def save_draft(model: nn.Module, tokenizer, out_dir: str | os.PathLike, target_i
     except TypeError as err:
         raise ValueError(f"extra must be JSON-serialisable (plain str/int/float/list/dict): {err}"
                          ) from err
+    check_finite(model.state_dict(), f"the draft {out_dir} was not written")
 
     def fill(tmp: Path) -> None:
         model.save_pretrained(str(tmp))

@@ -7,6 +7,10 @@ generation.
     pld           our engine with n-gram prompt lookup (the --pld-* flags)
     hf-pld        generate(prompt_lookup_num_tokens=--pld-depth)
     hf-assisted:<dir|truncate:N>   generate(assistant_model=...)
+    ngram:<type>  llama.cpp's own n-gram lookup (--engine llama.cpp only)
+
+With ``--engine llama.cpp`` plain is llama.cpp's plain decoding (``serve_plain``), the baseline
+of speedup there.
 """
 
 from __future__ import annotations
@@ -55,3 +59,17 @@ def build_hf_pld(arg: str, name: str, ctx: BuildContext) -> HFMethod:
 
 def build_hf_assisted(arg: str, name: str, ctx: BuildContext) -> HFMethod:
     return HFMethod(name, ctx.target, assistant_model=ctx.draft(arg))
+
+
+# llama.cpp's own n-gram lookups (its --spec-type values)
+LLAMA_NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+
+
+def serve_plain(arg: str, name: str, ctx) -> list[str]:
+    return []
+
+
+def serve_ngram(arg: str, name: str, ctx) -> list[str]:
+    if arg not in LLAMA_NGRAM_TYPES:
+        raise ValueError(f"{name!r}: llama.cpp's n-gram types are {', '.join(LLAMA_NGRAM_TYPES)}")
+    return ["--spec-type", arg, "--spec-draft-n-max", str(ctx.draft_max)]

@@ -26,15 +26,17 @@ import os
 os.environ.setdefault("MKL_CBWR", "AUTO")
 
 import argparse  # noqa: E402
+import contextlib
 import json
 import platform
 import sys
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from eval.engine import check_prompt
+from eval.llama_bench import ENGINE as LLAMA_ENGINE
+from eval.llama_bench import EngineRun, cross_check, llama_engine
 from eval.methods import (
     build_methods,
     dest,
@@ -42,15 +44,22 @@ from eval.methods import (
     option_flags,
     options_from_args,
     owners,
+    resolve,
 )
 from eval.prompts import load_prompts
-from eval.report import build_report, log_to_wandb, render_html
-from eval.runners import TREE_AUTO, TREE_MODES, Method, int_at_least, parse_finite
+from eval.report import build_report, check_report_out, log_to_wandb, render_html
+from eval.runners import (
+    TREE_AUTO,
+    TREE_MODES,
+    Method,
+    int_at_least,
+    parse_finite,
+    run_benchmark,
+)
 from eval.sampling import SamplingParams
 from eval.summary import (
     REPORT_FORMAT,
     REPORT_VERSION,
-    MethodRuns,
     classify_divergence,
     first_difference,
     greedy_summary,
@@ -62,37 +71,15 @@ from eval.tree_auto import (
     CALIBRATION_NUM_PROMPTS,
     DEFAULT_CALIBRATION_PROMPTS,
 )
+from eval.tree_cost import CALIBRATION_BUDGET_S
 from heads.command_line import run_command
-from heads.output_dir import check_writable_file, write_atomic
+from heads.output_dir import named_paths, write_atomic
 from heads.target import dtype_name, load_target, parse_dtype
+from layouts.gguf import DEFAULT_GGUF_TYPE
+from layouts.llama_cpp import GGUF_TYPES
 
 # ---------------------------------------------------------------------------------------------
 # running
-
-
-def run_benchmark(methods: list[Method], prompts: list[list[int]], *, max_new_tokens: int,
-                  params: SamplingParams, seed: int = 0, warmup: int = 1, repeats: int = 1,
-                  progress: bool = True) -> list[MethodRuns]:
-    """Every method on every prompt (interleaved, rotated per prompt), ``repeats`` times over."""
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    for ids in prompts[:warmup]:
-        for m in methods:
-            m.run(ids, min(max_new_tokens, 16), params, seed)
-    runs = {m.name: MethodRuns(m.name, m.exact, []) for m in methods}
-    bar = tqdm(total=repeats * len(prompts) * len(methods), desc="bench", disable=not progress,
-               file=sys.stderr)
-    for _ in range(repeats):
-        for m in methods:
-            runs[m.name].runs.append([])
-        for i, ids in enumerate(prompts):
-            order = methods[i % len(methods):] + methods[: i % len(methods)]
-            for m in order:
-                bar.set_postfix_str(m.name)
-                runs[m.name].runs[-1].append(m.run(ids, max_new_tokens, params, seed + i))
-                bar.update()
-    bar.close()
-    return [runs[m.name] for m in methods]
 
 
 def explain_differences(methods: list[Method], records: list[dict], prompts: list[list[int]],
@@ -199,9 +186,37 @@ def build_parser() -> argparse.ArgumentParser:
                    default=CALIBRATION_NUM_PROMPTS,
                    help=f"how many of them (default {CALIBRATION_NUM_PROMPTS}, "
                         f"{CALIBRATION_NEW_TOKENS} tokens each)")
+    p.add_argument("--tree-calibration-seconds", type=int_at_least(0),
+                   default=int(CALIBRATION_BUDGET_S),
+                   help="--tree auto: the most seconds a calibration may take before the run "
+                        "(it is shrunk to fit, and its length said before it starts); 0 skips "
+                        "it: a stored calibration is still used, else the fixed tree (default "
+                        f"{CALIBRATION_BUDGET_S:g})")
     p.add_argument("--allow-other-weights", action="store_true",
                    help="accept heads trained for a target of the same shapes but other weights "
                         "(refused by default: both weight fingerprints are named)")
+    p.add_argument("--engine", choices=("draftsmith", LLAMA_ENGINE), default="draftsmith",
+                   help="draftsmith: our engine beside transformers (speedup over hf); llama.cpp: "
+                        "one llama-server per method (speedup over llama.cpp's plain)")
+    p.add_argument("--llama-draft-max", type=int_at_least(1), default=3,
+                   help="llama.cpp: --spec-draft-n-max, draft tokens per round (default 3)")
+    p.add_argument("--llama-draft-p-min", type=parse_finite, default=0.0,
+                   help="llama.cpp: --spec-draft-p-min, stop drafting below this probability")
+    p.add_argument("--gguf-type", choices=GGUF_TYPES, default=DEFAULT_GGUF_TYPE,
+                   help=f"llama.cpp: the heads' and drafts' GGUF precision (default "
+                        f"{DEFAULT_GGUF_TYPE})")
+    p.add_argument("--gguf-target-type", choices=GGUF_TYPES, default=None,
+                   help="llama.cpp: convert the target to a GGUF of this type (default: an "
+                        "embedded name's or a .gguf's own file, f32 for a Hugging Face directory)")
+    p.add_argument("--llama-ctx", type=int_at_least(256), default=2048,
+                   help="llama.cpp: the servers' context size (at least the longest prompt plus "
+                        "--max-new-tokens)")
+    p.add_argument("--llama-work-dir", default=None,
+                   help="llama.cpp: keep the run's GGUF exports and server logs here (default: a "
+                        "temporary directory, removed at the end)")
+    p.add_argument("--cross-check", action="store_true",
+                   help="llama.cpp: also measure each head's acceptance per depth in draftsmith's "
+                        "engine, on the same prompts and chain length, beside llama.cpp's")
     p.add_argument("--wandb", action="store_true",
                    help="log the tables and plots to Weights & Biases (online when logged in)")
     p.add_argument("--wandb-project", default="draftsmith")
@@ -214,39 +229,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     for spec in args.methods:
         try:
-            method_for(spec)
+            resolve(spec, args.engine)
         except ValueError as err:
             p.error(str(err))
     try:
         args.params = SamplingParams(args.temperature, args.top_k, args.top_p)
     except ValueError as err:
         p.error(str(err))
+    # never onto an input (the prompts, the target, an artifact or a file in it), checked now
+    inputs = named_paths(args.prompts, args.target, args.tree_calibration_prompts, *args.methods)
     for name in ("out", "html"):
         if getattr(args, name):
             try:
-                check_writable_file(getattr(args, name))
+                check_report_out(getattr(args, name), inputs=inputs, html=name == "html")
             except ValueError as err:
                 p.error(f"--{name}: {err}")
     return args
 
 
-def main(argv=None) -> list[dict]:
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    prompt_set = load_prompts(args.prompts, turn=args.turn, limit=args.num_prompts,
-                              per_category=args.prompts_per_category, categories=args.categories)
-    for reason, count in prompt_set.skipped.items():
-        print(f"[bench] skipped {count} rows of {args.prompts}: {reason}", file=sys.stderr)
+def draftsmith_engine(args, prompt_set, specs: list[str]) -> EngineRun:
+    """Our engine (and transformers' generate for hf*): the methods of ``specs``, hf added."""
     target = load_target(args.target, device=args.device, dtype=args.dtype,
                          attn_implementation=args.attn_implementation)
     prompts = [target.chat_ids(p.text) for p in prompt_set.prompts]
     for ids in prompts:
         check_prompt(ids, args.max_new_tokens, target.vocab_size, target.max_context)
-    specs = list(dict.fromkeys(args.methods))
     if "hf" not in specs:
         print("[bench] adding `hf`: speedup is measured against it in the same run", file=sys.stderr)
-        specs.insert(0, "hf")
+        specs = ["hf", *specs]
     uses_trees = any(method_for(s).trees for s in specs)
     if args.tree == TREE_AUTO and uses_trees and (
             Path(args.tree_calibration_prompts).resolve() == Path(args.prompts).resolve()):
@@ -257,25 +267,53 @@ def main(argv=None) -> list[dict]:
                             allow_other_weights=args.allow_other_weights, tree=args.tree,
                             tree_calibration={
                                 "calibration_prompts": args.tree_calibration_prompts,
-                                "num_prompts": args.tree_calibration_num_prompts},
+                                "num_prompts": args.tree_calibration_num_prompts,
+                                "budget_seconds": args.tree_calibration_seconds},
                             options={kind: options_from_args(args, kind) for kind in owners()})
-    runs = run_benchmark(methods, prompts, max_new_tokens=args.max_new_tokens, params=args.params,
-                         seed=args.seed, warmup=args.warmup, repeats=args.repeats,
-                         progress=not args.no_progress)
-    summary = summarise(runs, prompt_set.prompts, args.params.greedy)
-    for method, record in zip(methods, summary["methods"]):
-        if getattr(method, "tree", None):
-            record["tree"] = method.tree
-    if args.params.greedy:
-        explain_differences(methods, summary["methods"], prompts, args.max_new_tokens,
-                            args.params, target.dtype)
-        found = {r["method"]: r.get("divergences") or [] for r in summary["methods"]}
-        for group in summary["categories"]:  # each category's verdict from its own prompts
-            for r in group["methods"]:
-                if r.get("differing_prompts"):
-                    mine = [d for d in found.get(r["method"], [])
-                            if d.get("prompt") in r["differing_prompts"]]
-                    r["greedy_verdict"] = greedy_verdict(mine) if mine else None
+    config = {"engine": "draftsmith", "device": str(target.device),
+              "attn_implementation": getattr(target.config, "_attn_implementation", None),
+              "draft_dtype": None if args.draft_dtype is None else dtype_name(args.draft_dtype),
+              "method_options": {kind: options_from_args(args, kind) for kind in owners()},
+              "tree": args.tree}
+    return EngineRun(methods, prompts, target, "hf", target.dtype, config)
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompt_set = load_prompts(args.prompts, turn=args.turn, limit=args.num_prompts,
+                              per_category=args.prompts_per_category, categories=args.categories)
+    for reason, count in prompt_set.skipped.items():
+        print(f"[bench] skipped {count} rows of {args.prompts}: {reason}", file=sys.stderr)
+    specs = list(dict.fromkeys(args.methods))
+    with contextlib.ExitStack() as servers:  # --engine llama.cpp: stopped however the run ends
+        if args.engine == LLAMA_ENGINE:
+            run = llama_engine(args, prompt_set, specs, servers)
+        else:
+            run = draftsmith_engine(args, prompt_set, specs)
+        methods, prompts, target = run.methods, run.prompts, run.target
+        runs = run_benchmark(methods, prompts, max_new_tokens=args.max_new_tokens,
+                             params=args.params, seed=args.seed, warmup=args.warmup,
+                             repeats=args.repeats, progress=not args.no_progress)
+        summary = summarise(runs, prompt_set.prompts, args.params.greedy,
+                            reference=run.reference)
+        for method, record in zip(methods, summary["methods"]):
+            if getattr(method, "tree", None):
+                record["tree"] = method.tree
+        if args.params.greedy:
+            explain_differences(methods, summary["methods"], prompts, args.max_new_tokens,
+                                args.params, run.tie_dtype, reference=run.reference)
+            found = {r["method"]: r.get("divergences") or [] for r in summary["methods"]}
+            for group in summary["categories"]:  # each category's verdict from its own prompts
+                for r in group["methods"]:
+                    if r.get("differing_prompts"):
+                        mine = [d for d in found.get(r["method"], [])
+                                if d.get("prompt") in r["differing_prompts"]]
+                        r["greedy_verdict"] = greedy_verdict(mine) if mine else None
+    if args.engine == LLAMA_ENGINE and args.cross_check:
+        cross_check(summary["methods"], target, prompts, max_new_tokens=args.max_new_tokens,
+                    chain=args.llama_draft_max)
     import transformers
 
     config = {
@@ -284,20 +322,17 @@ def main(argv=None) -> list[dict]:
         "categories": prompt_set.categories, "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
         "seed": args.seed, "warmup": args.warmup, "repeats": args.repeats,
-        "device": str(target.device), "dtype": dtype_name(target.dtype),
-        "attn_implementation": getattr(target.config, "_attn_implementation", None),
-        "draft_dtype": None if args.draft_dtype is None else dtype_name(args.draft_dtype),
-        "method_options": {kind: options_from_args(args, kind) for kind in owners()},
-        "tree": args.tree,
-        "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        "dtype": dtype_name(run.tie_dtype) if args.engine == LLAMA_ENGINE
+        else dtype_name(target.dtype), "reference": run.reference, **run.config,
+        "threads": args.threads if args.engine == LLAMA_ENGINE else torch.get_num_threads(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
         "machine": platform.machine(), "python": platform.python_version(),
     }
     report = {
         "format": REPORT_FORMAT, "version": REPORT_VERSION, "config": config,
         "prompts": [{"id": p.id, "category": p.category} for p in prompt_set.prompts],
         "methods": summary["methods"], "categories": summary["categories"],
-        "greedy_summary": greedy_summary(summary["methods"]),
+        "greedy_summary": greedy_summary(summary["methods"], reference=run.reference),
     }
     print(format_report(report))
     if args.out:
@@ -368,7 +403,7 @@ def format_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def format_categories(categories: list[dict]) -> str:
+def format_categories(categories: list[dict], reference: str = "hf") -> str:
     """Speedup (tau) per method and category, as Spec-Bench reports it."""
     if not categories:
         return ""
@@ -386,7 +421,8 @@ def format_categories(categories: list[dict]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "per category: speedup over hf (tau); prompts per category in brackets\n" + "\n".join(lines)
+    return (f"per category: speedup over {reference} (tau); prompts per category in brackets\n"
+            + "\n".join(lines))
 
 
 def format_trees(records: list[dict]) -> str:
@@ -407,7 +443,8 @@ def format_trees(records: list[dict]) -> str:
 def format_report(report: dict) -> str:
     parts = [format_table(report["methods"]), format_trees(report["methods"])]
     if report.get("categories"):
-        parts.append(format_categories(report["categories"]))
+        parts.append(format_categories(report["categories"],
+                                       report.get("config", {}).get("reference", "hf")))
     parts.append(report.get("greedy_summary", ""))
     for r in report["methods"]:
         for d in r.get("divergences") or []:

@@ -18,6 +18,8 @@ from eval.runners import BuildContext, EngineMethod, OptionFlag, int_at_least, p
 from eval.sampling import warp
 from eval.tree import DraftTree
 from heads.target import tree_attention_mask
+from layouts.draft import export_layout
+from layouts.files import ExportOptions
 
 
 class DraftModelProposer(Proposer):
@@ -189,3 +191,14 @@ def build_draft(arg: str, name: str, ctx: BuildContext) -> EngineMethod:
     """``draft:<dir|truncate:N>``."""
     return EngineMethod(name, ctx.engine, DraftModelProposer(
         ctx.draft(arg), name=name, **ctx.kind_options("draft")))
+
+
+def serve_draft(arg: str, name: str, ctx) -> list[str]:
+    """``draft:<dir>`` in llama.cpp: the distilled draft exported to GGUF, ``--spec-type
+    draft-simple`` (``ctx``: eval.llama_bench.ServeContext)."""
+    if arg.startswith("truncate:"):
+        raise ValueError(f"{name!r}: llama.cpp serves a draft from its own GGUF; give a draft "
+                         "model directory (a distilled draft), not the target's first layers")
+    path = ctx.work_dir / f"draft-{len(list(ctx.work_dir.glob('*.gguf')))}.gguf"
+    gguf = export_layout(arg, "gguf", path, ExportOptions(gguf_type=ctx.gguf_type, overwrite=True))
+    return ctx.draft_args(gguf, "draft-simple")

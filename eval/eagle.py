@@ -25,6 +25,7 @@ import torch
 from eval.kv import crop
 from eval.proposers import Proposer
 from eval.runners import (
+    ARTIFACT_FIXED_OPTIONS,
     TREE_AUTO,
     TREE_FIXED,
     BuildContext,
@@ -39,7 +40,7 @@ from eval.tree_auto import auto_eagle_tree
 from heads.eagle import EagleHead, causal_mask
 from heads.medusa_tree import AUTO
 from heads.target import Target, tree_attention_mask
-from layouts.eagle import load_eagle_head
+from layouts.eagle import export_eagle_gguf, load_eagle_head
 
 DEFAULT_DEPTH = 5
 DEFAULT_TOPK = 8
@@ -217,11 +218,7 @@ EAGLE_FLAGS = (
                "nodes from its stored accuracies, or 'auto': the size that maximises expected "
                "tau per verification cost measured on this machine"),
 )
-EAGLE_FIXED_OPTIONS = {
-    "name": "the method's name on the command line",
-    "dtype": "--draft-dtype",
-    "allow_other_weights": "--allow-other-weights",
-}
+EAGLE_FIXED_OPTIONS = {**ARTIFACT_FIXED_OPTIONS, "dtype": "--draft-dtype"}
 
 
 def build_eagle(arg: str, name: str, ctx: BuildContext) -> EngineMethod:
@@ -239,3 +236,11 @@ def build_eagle(arg: str, name: str, ctx: BuildContext) -> EngineMethod:
         chosen = auto_eagle_tree(proposer, arg, ctx.target, draft_dtype=ctx.draft_dtype, **caps,
                                  **ctx.tree_calibration)
     return EngineMethod(name, ctx.engine, proposer, chosen)
+
+
+def serve_eagle(arg: str, name: str, ctx) -> list[str]:
+    """``eagle:<artifact>`` in llama.cpp: the head exported to GGUF, ``--spec-type draft-eagle3``
+    (``ctx``: eval.llama_bench.ServeContext)."""
+    gguf = export_eagle_gguf(arg, ctx.work_dir / f"eagle-{len(list(ctx.work_dir.glob('*.gguf')))}.gguf",
+                             target=ctx.target, gguf_type=ctx.gguf_type, overwrite=True)
+    return ctx.draft_args(gguf, "draft-eagle3")

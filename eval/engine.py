@@ -107,18 +107,10 @@ class SpeculativeEngine:
         self.eos = set(target.eos_token_ids)
 
     @torch.no_grad()
-    def generate(
-        self,
-        prompt_ids,
-        max_new_tokens: int,
-        params: SamplingParams | None = None,
-        proposer: Proposer | None = None,
-        seed: int | None = 0,
-        stop_at_eos: bool = True,
-        record_logits: bool = False,
-    ) -> Generation:
-        state = self.begin(prompt_ids, max_new_tokens, params, proposer, seed, stop_at_eos,
-                           record_logits)
+    def generate(self, *args, **kwargs) -> Generation:
+        """One whole generation: :meth:`begin` (whose arguments these are), then :meth:`step`
+        until it is done; ``seconds`` covers both."""
+        state = self.begin(*args, **kwargs)
         while not state.done:
             self.step(state)
         state.gen.seconds = time.perf_counter() - state.started

@@ -27,6 +27,7 @@ import torch
 from eval.acceptance import TreeOutcome, verify_tree
 from eval.proposers import Proposer
 from eval.runners import (
+    ARTIFACT_FIXED_OPTIONS,
     TREE_AUTO,
     BuildContext,
     EngineMethod,
@@ -253,11 +254,7 @@ MEDUSA_FLAGS = (
     OptionFlag("medusa", TypicalMedusaProposer, "posterior_alpha", "--medusa-posterior-alpha",
                parse_probability, "medusa:typical: see --medusa-posterior-threshold"),
 )
-MEDUSA_FIXED_OPTIONS = {
-    "name": "the method's name on the command line",
-    "typical": "medusa:typical:<artifact>",
-    "allow_other_weights": "--allow-other-weights",
-}
+MEDUSA_FIXED_OPTIONS = {**ARTIFACT_FIXED_OPTIONS, "typical": "medusa:typical:<artifact>"}
 
 
 def build_medusa(arg: str, name: str, ctx: BuildContext) -> EngineMethod:

@@ -6,7 +6,11 @@ One row per method name on the command line: the baselines (``plain``, ``hf``, `
 
 * ``spec``: how it is written (``plain``, or a prefix and its argument: ``eagle:<artifact>``);
 * ``build(arg, name, ctx) -> Method``: ``arg`` is what follows the prefix, ``ctx`` the
-  :class:`eval.runners.BuildContext` (target, engine, options, benchmark-wide settings);
+  :class:`eval.runners.BuildContext` (target, engine, options, benchmark-wide settings); None
+  where the method exists in llama.cpp only;
+* ``serve(arg, name, ctx) -> list[str]``: the method in llama.cpp (``--engine llama.cpp``), as
+  the llama-server arguments beyond the target (``ctx``: :class:`eval.llama_bench.ServeContext`);
+  None where llama.cpp has no counterpart;
 * ``kind`` and ``flags``: the option group it reads and the flags that set it
   (:class:`eval.runners.OptionFlag`, defaults read from the proposer's signature), ``owner``
   the callable whose signature holds them, ``fixed_options`` its options no flag sets and why;
@@ -23,7 +27,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from eval import baselines, draft, eagle, medusa
+from eval import baselines, dflash, draft, eagle, medusa
 from eval.engine import SpeculativeEngine
 from eval.runners import TREE_FIXED, TREE_MODES, BuildContext, Method, OptionFlag
 from heads.target import Target
@@ -34,7 +38,7 @@ class BenchMethod:
     """One method on the eval floor."""
 
     spec: str  # "plain", or "<prefix>:<argument>"
-    build: Callable[[str, str, BuildContext], Method]
+    build: Callable[[str, str, BuildContext], Method] | None
     kind: str | None = None  # the option group it reads
     flags: tuple[OptionFlag, ...] = ()  # the flags of that group (one row per group owns them)
     owner: Callable | None = None  # whose signature holds the group's options
@@ -42,6 +46,7 @@ class BenchMethod:
     column: str | None = None  # the draft method it measures (heads.methods); None: a baseline
     trees: bool = False  # --tree auto sizes its trees
     top1_metric: str | None = None  # regex of the top-1 its trainer logs (group 1: step/head)
+    serve: Callable[[str, str, object], list[str]] | None = None  # its llama-server arguments
 
     @property
     def prefix(self) -> str | None:
@@ -52,23 +57,31 @@ class BenchMethod:
 
 
 BENCH_METHODS: dict[str, BenchMethod] = {
-    "plain": BenchMethod("plain", baselines.build_plain),
+    "plain": BenchMethod("plain", baselines.build_plain, serve=baselines.serve_plain),
     "hf": BenchMethod("hf", baselines.build_hf),
     "pld": BenchMethod("pld", baselines.build_pld, kind="pld", flags=baselines.PLD_FLAGS,
                        owner=baselines.NgramProposer),
     "hf-pld": BenchMethod("hf-pld", baselines.build_hf_pld, kind="pld"),
     "hf-assisted": BenchMethod("hf-assisted:<dir|truncate:N>", baselines.build_hf_assisted),
+    "ngram": BenchMethod("ngram:<llama.cpp n-gram type>", None, serve=baselines.serve_ngram),
     "draft": BenchMethod("draft:<dir|truncate:N>", draft.build_draft, kind="draft",
                          flags=draft.DRAFT_FLAGS, owner=draft.DraftModelProposer,
-                         fixed_options=draft.DRAFT_FIXED_OPTIONS, column="draft"),
+                         fixed_options=draft.DRAFT_FIXED_OPTIONS, column="draft",
+                         serve=draft.serve_draft),
     "eagle": BenchMethod("eagle:<artifact>", eagle.build_eagle, kind="eagle",
                          flags=eagle.EAGLE_FLAGS, owner=eagle.EagleProposer.from_artifact,
                          fixed_options=eagle.EAGLE_FIXED_OPTIONS, column="eagle", trees=True,
-                         top1_metric=r"^acc_(\d+)$"),
+                         top1_metric=r"^acc_(\d+)$", serve=eagle.serve_eagle),
     "medusa": BenchMethod("medusa:<artifact>", medusa.build_medusa, kind="medusa",
                           flags=medusa.MEDUSA_FLAGS, owner=medusa.MedusaProposer.from_artifact,
                           fixed_options=medusa.MEDUSA_FIXED_OPTIONS, column="medusa",
                           trees=True, top1_metric=r"^medusa/head(\d+)_top1$"),
+    "dflash": BenchMethod("dflash:<artifact>", dflash.build_block("dflash"), kind="dflash",
+                          flags=dflash.BLOCK_FLAGS, owner=dflash.BlockProposer.from_artifact,
+                          fixed_options=dflash.BLOCK_FIXED_OPTIONS, column="dflash", trees=True,
+                          top1_metric=r"^acc_(\d+)$", serve=dflash.serve_block("dflash")),
+    "dspark": BenchMethod("dspark:<artifact>", dflash.build_block("dspark"), kind="dflash",
+                          column="dflash", trees=True, serve=dflash.serve_block("dspark")),
 }
 
 
@@ -96,6 +109,19 @@ def method_for(spec: str) -> BenchMethod:
     known = ", ".join(row.spec for row in BENCH_METHODS.values())
     raise ValueError(f"unknown method {spec!r}; use one of {known}, "
                      "medusa:typical:<artifact>")
+
+
+def resolve(spec: str, engine: str = "draftsmith") -> tuple[BenchMethod, str]:
+    """(row, argument) of ``spec`` for ``engine`` ("draftsmith" or "llama.cpp"), or a ValueError
+    naming what to use where the row has no such counterpart."""
+    row = method_for(spec)
+    if engine == "draftsmith" and row.build is None:
+        raise ValueError(f"{spec!r} runs in llama.cpp only: add --engine llama.cpp (our "
+                         "engine's n-gram lookup is pld)")
+    if engine != "draftsmith" and row.serve is None:
+        raise ValueError(f"{spec!r} has no llama.cpp counterpart; with --engine llama.cpp use "
+                         "plain, ngram:<type>, eagle:<artifact> or draft:<dir>")
+    return row, spec[len(row.prefix):] if row.prefix else ""
 
 
 def dest(flag: str) -> str:
@@ -132,7 +158,6 @@ def build_methods(specs: list[str], target: Target, *, options: dict[str, dict] 
                        tree=tree, tree_calibration=dict(tree_calibration or {}))
     methods = []
     for spec in specs:
-        row = method_for(spec)
-        arg = spec[len(row.prefix):] if row.prefix else ""
+        row, arg = resolve(spec)
         methods.append(row.build(arg, spec, ctx))
     return methods

@@ -44,11 +44,11 @@ from eval.summary import (
     REPORT_VERSION,
     greedy_summary,
 )
-from heads.output_dir import check_writable_file, write_atomic
+from heads.output_dir import check_file_destination, named_paths, write_atomic
 
 SECTIONS = (
     ("summary", "Set-up and verdict"),
-    ("speedup", "Speedup over hf, with 95% intervals"),
+    ("speedup", "Speedup over the reference (hf, or plain decoding in llama.cpp), with 95% intervals"),
     ("tokens-per-prompt", "Tokens per second, prompt by prompt"),
     ("acceptance", "Tau and alpha per depth"),
     ("accepted-lengths", "Accepted lengths"),
@@ -195,9 +195,10 @@ def _bars_with_intervals(records: list[dict], key: str, ci_key: str, xlabel: str
     return _png(fig)
 
 
-def speedup_figure(records: list[dict]) -> bytes | None:
+def speedup_figure(records: list[dict], reference: str = "hf") -> bytes | None:
     return _bars_with_intervals(records, "speedup", "speedup_ci95",
-                                "tokens/s over hf's (bars: 95% interval over prompts)", 1.0)
+                                f"tokens/s over {reference}'s (bars: 95% interval over prompts)",
+                                1.0)
 
 
 def tau_figure(records: list[dict]) -> bytes | None:
@@ -226,9 +227,14 @@ def tokens_per_prompt_figure(records: list[dict]) -> bytes | None:
     for name, rates in series:
         xs = [i for i, v in enumerate(rates) if v is not None]
         ax.plot(xs, [rates[i] for i in xs], marker="o", markersize=3, linewidth=1, label=name)
-    ax.set_xlabel("prompt (in the order run)")
+    return _finish(fig, ax, "prompt (in the order run)", "tokens/s")
+
+
+def _finish(fig, ax, xlabel: str, ylabel: str) -> bytes:
+    """Integer x ticks, labels, legend and grid, then the PNG."""
+    ax.set_xlabel(xlabel)
     ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_ylabel("tokens/s")
+    ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return _png(fig)
@@ -247,13 +253,8 @@ def alpha_figure(records: list[dict]) -> bytes | None:
     for name, values in series:
         depths = [d for d, v in enumerate(values, start=1) if v is not None]
         ax.plot(depths, [values[d - 1] for d in depths], marker="o", label=name)
-    ax.set_xlabel("tree depth")
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_ylabel("alpha (accepted / tried)")
     ax.set_ylim(0, 1)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    return _png(fig)
+    return _finish(fig, ax, "tree depth", "alpha (accepted / tried)")
 
 
 def accepted_lengths_figure(records: list[dict]) -> bytes | None:
@@ -278,12 +279,12 @@ def accepted_lengths_figure(records: list[dict]) -> bytes | None:
     return _png(fig)
 
 
-def categories_figure(categories: list[dict]) -> bytes | None:
+def categories_figure(categories: list[dict], reference: str = "hf") -> bytes | None:
     names = [c.get("category") for c in categories]
     methods: dict[str, list[float | None]] = {}
     for i, c in enumerate(categories):
         for r in c.get("methods") or []:
-            if isinstance(r, dict) and r.get("method") != "hf":
+            if isinstance(r, dict) and r.get("method") != reference:
                 methods.setdefault(r.get("method"), [None] * len(categories))[i] = \
                     _number(r.get("speedup"))
     methods = {m: v for m, v in methods.items() if any(x is not None for x in v)}
@@ -298,7 +299,7 @@ def categories_figure(categories: list[dict]) -> bytes | None:
     ax.axhline(1.0, color="#444", linewidth=1, linestyle="--")
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, rotation=30,
                   ha="right")
-    ax.set_ylabel("speedup over hf")
+    ax.set_ylabel(f"speedup over {reference}")
     ax.legend(fontsize=8)
     return _png(fig)
 
@@ -490,7 +491,9 @@ def _config_table(config: dict) -> str:
     keys = ["target", "prompts", "num_prompts", "skipped_prompts", "categories", "turn",
             "max_new_tokens", "temperature", "top_k", "top_p", "seed", "repeats", "device",
             "dtype", "attn_implementation", "draft_dtype", "method_options", "tree", "threads", "torch",
-            "transformers", "machine"]
+            "transformers", "machine", "engine", "reference", "llama_server", "llama_cpp_commit",
+            "target_gguf", "target_gguf_type", "head_gguf_type", "spec_draft_n_max",
+            "spec_draft_p_min"]
     rows = [[_e(k), _e(json.dumps(config[k]) if isinstance(config[k], (dict, list))
                        else config[k])] for k in keys if k in config]
     return _table(["setting", "value"], rows)
@@ -521,7 +524,8 @@ def build_report(reports: list[tuple[str, dict]], metrics: list[Metrics],
     for name, data in reports:
         records = [r for r in data["methods"] if isinstance(r, dict)]
         config = data.get("config", {})
-        verdict = data.get("greedy_summary") or greedy_summary(records)
+        ref = config.get("reference", "hf")  # --engine llama.cpp: its plain decoding
+        verdict = data.get("greedy_summary") or greedy_summary(records, reference=ref)
         old = data.get("version", 1) < REPORT_VERSION
         intro = (f"<p><b>{_e(verdict)}</b></p>"
                  + (f"<p class='missing'>{_e(name)} was written by an older eval.bench (report "
@@ -530,11 +534,12 @@ def build_report(reports: list[tuple[str, dict]], metrics: list[Metrics],
                  + methods_table(records) + trees_table(records) + _config_table(config)
                  + ("" if old else
                     f"<p class='note'>Intervals: {int(CONFIDENCE * 100)}% percentile bootstrap "
-                    f"over prompts ({BOOTSTRAP_RESAMPLES} resamples, the method and hf "
+                    f"over prompts ({BOOTSTRAP_RESAMPLES} resamples, the method and {ref} "
                     "resampled together), both fixed.</p>"))
         add("summary", name, intro)
-        add("speedup", name, image=(f"{name}: speedup over hf", speedup_figure(records)),
-            missing="no method in this report has a speedup (hf was not run?)")
+        add("speedup", name, image=(f"{name}: speedup over {ref}",
+                                    speedup_figure(records, ref)),
+            missing=f"no method in this report has a speedup ({ref} was not run?)")
         add("tokens-per-prompt", name,
             image=(f"{name}: tokens/s per prompt", tokens_per_prompt_figure(records)),
             missing="this report holds no per-prompt figures (an older eval.bench wrote it)")
@@ -553,8 +558,8 @@ def build_report(reports: list[tuple[str, dict]], metrics: list[Metrics],
             notes.append(f"{name}: categories without prompts skipped: {empty}")
         if categories:
             add("categories", name, categories_table(categories),
-                image=(f"{name}: speedup per category", categories_figure(categories)),
-                missing="no speedup per category (hf was not run?)")
+                image=(f"{name}: speedup per category", categories_figure(categories, ref)),
+                missing=f"no speedup per category ({ref} was not run?)")
         else:
             add("categories", name, "<p class='missing'>the prompts of this report carry no "
                 "category (MT-bench and Spec-Bench files do)</p>")
@@ -604,9 +609,45 @@ def render_html(report: Report, title: str = "draftsmith benchmark report") -> s
     notes = "".join(f"<p class='missing'>{_e(n)}</p>" for n in report.notes)
     body = "".join(f"<section id='{s.key}'><h2>{_e(s.title)}</h2>{''.join(s.blocks)}</section>"
                    for s in report.sections)
-    return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{_e(title)}"
+    return (f"{_HTML_START}{_e(title)}"
             f"</title><style>{_STYLE}</style></head><body><h1>{_e(title)}</h1><nav>{nav}</nav>"
             f"{notes}{body}</body></html>")
+
+
+# how every page render_html writes begins: what marks an earlier report that --out may replace
+_HTML_START = "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>"
+
+
+def is_html_report(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a page :func:`render_html` wrote (an earlier report)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(_HTML_START)) == _HTML_START.encode()
+    except OSError:
+        return False
+
+
+def is_bench_report(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a benchmark report eval.bench wrote (an earlier one)."""
+    try:
+        read_report(path)
+    except ReportError:
+        return False
+    return True
+
+
+def check_report_out(path: str | os.PathLike, *, inputs=(), overwrite: bool = False,
+                     html: bool | None = None) -> Path:
+    """Refuse a report path before any work: never one of the command's ``inputs`` (a prompts
+    file, a metrics.jsonl, an artifact directory and the files in it; see
+    :func:`heads.output_dir.named_paths`), not even with ``overwrite``; an existing file only
+    when it is an earlier report of its kind (a page when ``html``, by default for a ``.html`` or
+    ``.htm`` name; else a benchmark JSON) or with ``overwrite``."""
+    html_out = Path(path).suffix.lower() in (".html", ".htm") if html is None else html
+    return check_file_destination(
+        path, kind="HTML report" if html_out else "eval.bench report",
+        replaceable=is_html_report if html_out else is_bench_report, overwrite=overwrite,
+        protect=inputs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -707,11 +748,15 @@ def main(argv=None) -> int:
     p.add_argument("reports", nargs="+", help="report JSON files written by eval.bench --out")
     p.add_argument("--metrics", nargs="*", default=[],
                    help="training runs' metrics.jsonl files, for the training curves")
-    p.add_argument("--out", required=True, help="the HTML file to write")
+    p.add_argument("--out", required=True, help="the HTML file to write (new, or an earlier "
+                   "report; never one of the inputs)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out even if it is not an earlier report (never an input)")
     p.add_argument("--title", default="draftsmith benchmark report")
     args = p.parse_args(argv)
     try:
-        check_writable_file(args.out)
+        check_report_out(args.out, inputs=named_paths(*args.reports, *args.metrics),
+                         overwrite=args.overwrite, html=True)
     except ValueError as err:
         p.error(f"--out: {err}")
     notes, reports, metrics = [], [], []

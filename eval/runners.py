@@ -16,16 +16,18 @@ from __future__ import annotations
 import argparse
 import inspect
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 
 from distill.draft import load_draft
 from eval.engine import SpeculativeEngine
 from eval.proposers import Proposer
 from eval.sampling import SamplingParams
-from eval.summary import PromptRun
+from eval.summary import MethodRuns, PromptRun
 from heads.medusa_tree import AUTO
 from heads.target import Target
 
@@ -165,6 +167,13 @@ class BuildContext:
         return self._drafts[spec]
 
 
+# options of every artifact-loading builder that no flag of its own sets, and why
+ARTIFACT_FIXED_OPTIONS = {
+    "name": "the method's name on the command line",
+    "allow_other_weights": "--allow-other-weights",
+}
+
+
 def tree_caps(options: dict, depth: str, topk: str, nodes: str) -> dict:
     """--tree auto: the depth / topk / node options (popped from ``options``) cap the search."""
     tree_nodes = options.pop(nodes, None)
@@ -206,3 +215,28 @@ def parse_probability(text: str) -> float:
 
 def parse_tree_nodes(text: str) -> int | str:
     return AUTO if text == AUTO else int_at_least(1)(text)
+
+
+def run_benchmark(methods: list[Method], prompts: list[list[int]], *, max_new_tokens: int,
+                  params: SamplingParams, seed: int = 0, warmup: int = 1, repeats: int = 1,
+                  progress: bool = True) -> list[MethodRuns]:
+    """Every method on every prompt (interleaved, rotated per prompt), ``repeats`` times over."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    for ids in prompts[:warmup]:
+        for m in methods:
+            m.run(ids, min(max_new_tokens, 16), params, seed)
+    runs = {m.name: MethodRuns(m.name, m.exact, []) for m in methods}
+    bar = tqdm(total=repeats * len(prompts) * len(methods), desc="bench", disable=not progress,
+               file=sys.stderr)
+    for _ in range(repeats):
+        for m in methods:
+            runs[m.name].runs.append([])
+        for i, ids in enumerate(prompts):
+            order = methods[i % len(methods):] + methods[: i % len(methods)]
+            for m in order:
+                bar.set_postfix_str(m.name)
+                runs[m.name].runs[-1].append(m.run(ids, max_new_tokens, params, seed + i))
+                bar.update()
+    bar.close()
+    return [runs[m.name] for m in methods]

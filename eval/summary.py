@@ -278,9 +278,10 @@ def greedy_verdict(divergences: list[dict]) -> str:
     return DIVERGED
 
 
-def greedy_summary(records: list[dict]) -> str:
-    """One paragraph a user reads first: which methods matched ``hf`` and how."""
-    checked = [r for r in records if r.get("greedy_identical") is not None and r["method"] != "hf"]
+def greedy_summary(records: list[dict], reference: str = "hf") -> str:
+    """One paragraph a user reads first: which methods matched ``reference`` and how."""
+    checked = [r for r in records
+               if r.get("greedy_identical") is not None and r["method"] != reference]
     if not checked:
         return "greedy equality: not checked (temperature > 0)"
     lines = []
@@ -289,7 +290,7 @@ def greedy_summary(records: list[dict]) -> str:
         if verdict == IDENTICAL:
             continue
         count = len(r.get("differing_prompts") or [])
-        detail = f"{count} of {r.get('num_prompts', '?')} prompts differ from hf"
+        detail = f"{count} of {r.get('num_prompts', '?')} prompts differ from {reference}"
         if verdict == UP_TO_NUMERICS:
             lines.append(f"{r['method']}: identical up to numerics ({detail}; each at a tie of "
                          f"the target's two best tokens within its dtype's rounding)")
@@ -297,5 +298,5 @@ def greedy_summary(records: list[dict]) -> str:
             lines.append(f"{r['method']}: REAL DIVERGENCE ({detail}; at least one where the "
                          f"emitted token was not the target's choice): the engine is wrong")
     if not lines:
-        return "greedy equality: every method's output equals hf's token for token"
+        return f"greedy equality: every method's output equals {reference}'s token for token"
     return "greedy equality: " + "; ".join(lines)

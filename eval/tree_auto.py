@@ -24,7 +24,13 @@ Both measurements are kept in ``<artifact>/tree_calibration.json`` (:class:`Cali
 acceptance under the artifact's weights digest (remeasured when the weights change), the costs
 under a machine key (device and its model, threads, torch version, target shape and both
 precisions). A calibration made on another machine is never used: this machine's costs are
-measured and added beside it; nothing in the file is overwritten but this machine's own entry.
+measured and added beside it; nothing in the file is overwritten but this machine's own entry. A
+damaged file (not UTF-8, not JSON, entries of the wrong shape) is named and measured again.
+
+What is measured is bounded by a stated time (``budget_seconds``, 60 s by default:
+:func:`eval.tree_cost.plan_calibration` shrinks the calibration to fit, estimated from one timed
+decoding step); how long it will take is said before it starts, and a budget of 0 skips it: the
+stored calibration is used when there is one, else the artifact's fixed tree.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -41,17 +48,30 @@ from pathlib import Path
 import torch
 
 from eval.tree_cost import (
+    CALIBRATION_BUDGET_S,
     COST_CONTEXT,
     COST_REPEATS,
+    DRAFT_REPEATS,
     TIMED_SIZES,
+    CalibrationPlan,
     interpolate,
     machine_description,
     machine_key,
     measure_eagle_draft_cost,
     measure_head_cost,
     measure_verify_cost,
+    plan_calibration,
 )
-from heads.medusa_tree import AUTO, RankPath, check_tree, choose_tree, grow_medusa_tree, rank_table
+from heads.artifact import read_artifact_config
+from heads.medusa_tree import (
+    AUTO,
+    RankPath,
+    check_tree,
+    choose_tree,
+    default_chain,
+    grow_medusa_tree,
+    rank_table,
+)
 from heads.output_dir import write_atomic
 from heads.target import Target, dtype_name
 
@@ -59,7 +79,6 @@ CALIBRATION_FILE = "tree_calibration.json"
 CALIBRATION_FORMAT = "draftsmith-tree-calibration"
 CALIBRATION_VERSION = 1
 MAX_DEPTH, MAX_TOPK, MAX_NODES = 6, 8, 63  # the search's bounds unless the user caps them
-TOPK_CHOICES = (1, 2, 3, 4, 6, 8)
 RANKS_MEASURED = 10  # ranks whose acceptance is measured
 DEFAULT_CALIBRATION_PROMPTS = Path(__file__).resolve().parents[1] / "data/eval/vicuna_bench_question.jsonl"
 CALIBRATION_NUM_PROMPTS = 8
@@ -88,6 +107,40 @@ def artifact_weights_digest(artifact: str | os.PathLike) -> str:
 # the stored calibration
 
 
+def _number(value, low: float = 0.0, high: float = math.inf) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and low <= value <= high)
+
+
+def _acceptance_problem(entry) -> str | None:
+    """What is wrong with a stored acceptance entry (None: usable)."""
+    acc = entry.get("rank_accuracies") if isinstance(entry, dict) else None
+    if not (isinstance(acc, list) and acc and all(
+            isinstance(row, list) and row and all(_number(v, 0, 1) for v in row) for row in acc)):
+        return "rank_accuracies is not a table of numbers in [0, 1]"
+    return None
+
+
+def _costs_problem(entry, needs: tuple[str, ...]) -> str | None:
+    """What is wrong with a stored machine entry (None: usable); ``needs``: the costs besides
+    verification that the method reads (``draft_seconds``, ``head_seconds``)."""
+    if not isinstance(entry, dict):
+        return "not a mapping"
+    verify = entry.get("verify_seconds")
+    if not (isinstance(verify, dict) and "1" in verify and len(verify) > 1 and all(
+            isinstance(n, str) and n.isdigit() and _number(v) for n, v in verify.items())):
+        return "verify_seconds is not a mapping of token counts (1 and more) to seconds"
+    draft = entry.get("draft_seconds")
+    if "draft_seconds" in needs and not (isinstance(draft, dict) and draft and all(
+            isinstance(dk, str) and len(dk.split(",")) == 2
+            and all(x.isdigit() for x in dk.split(",")) and _number(v)
+            for dk, v in draft.items())):
+        return "draft_seconds is not a mapping of 'depth,topk' to seconds"
+    if "head_seconds" in needs and not _number(entry.get("head_seconds")):
+        return "head_seconds is not a number of seconds"
+    return None
+
+
 @dataclass
 class Calibration:
     """``<artifact>/tree_calibration.json``: acceptance per weights digest, costs per machine."""
@@ -98,21 +151,52 @@ class Calibration:
 
     @classmethod
     def load(cls, artifact: str | os.PathLike) -> Calibration:
+        """The stored calibration; a damaged file is named and treated as empty (measured again
+        and replaced); one written by a newer draftsmith is refused (never replaced)."""
         path = Path(artifact) / CALIBRATION_FILE
         if not path.exists():
             return cls(path)
+        problem, data = None, None
         try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ValueError(f"{path} is not a readable tree calibration ({err}); move it away "
-                             "and it is measured again") from err
-        if data.get("format") != CALIBRATION_FORMAT:
-            raise ValueError(f"{path} is not a {CALIBRATION_FORMAT} file (format "
-                             f"{data.get('format')!r})")
-        if data.get("version") != CALIBRATION_VERSION:
-            raise ValueError(f"{path} has version {data.get('version')}; this draftsmith reads "
-                             f"version {CALIBRATION_VERSION}")
+            data = json.loads(path.read_bytes().decode("utf-8"))
+        except OSError as err:
+            problem = f"cannot be read: {err.strerror or err}"
+        except UnicodeDecodeError as err:
+            problem = f"byte {err.start} is not UTF-8 text"
+        except ValueError as err:
+            problem = f"not JSON: {err}"
+        if problem is None and not (isinstance(data, dict)
+                                    and data.get("format") == CALIBRATION_FORMAT):
+            problem = f"not a {CALIBRATION_FORMAT} file"
+        if problem is None:
+            version = data.get("version")
+            if isinstance(version, int) and version > CALIBRATION_VERSION:
+                raise ValueError(f"{path} has version {version}; this draftsmith reads version "
+                                 f"{CALIBRATION_VERSION}: upgrade draftsmith, or move the file "
+                                 "away and it is measured again")
+            if version != CALIBRATION_VERSION:
+                problem = f"version {version!r}, not {CALIBRATION_VERSION}"
+            elif not all(isinstance(data.get(k) or {}, dict) for k in ("acceptance", "machines")):
+                problem = "its acceptance or machines are not mappings"
+        if problem is not None:
+            log(f"{path} is damaged ({problem}); the calibration is measured again and the file "
+                "replaced")
+            return cls(path)
         return cls(path, dict(data.get("acceptance") or {}), dict(data.get("machines") or {}))
+
+    def usable(self, table: str, key: str, problem) -> dict | None:
+        """The entry ``key`` of ``table`` ("acceptance" or "machines") if ``problem(entry)`` finds
+        nothing wrong; a damaged entry is named, dropped and measured again."""
+        entries = getattr(self, table)
+        entry = entries.get(key)
+        if entry is None:
+            return None
+        why = problem(entry)
+        if why is None:
+            return entry
+        log(f"{self.path}: its {table} entry {key} is damaged ({why}); measuring it again")
+        del entries[key]
+        return None
 
     def save(self) -> bool:
         """Write atomically; False (and a warning) where the artifact's folder is read-only."""
@@ -125,6 +209,31 @@ class Calibration:
                 "next time")
             return False
         return True
+
+
+def _plan(artifact, target: Target, *, acceptance: bool, costs: bool, eagle: bool,
+          num_prompts: int, max_new_tokens: int, budget_seconds: float | None,
+          fixed: str) -> CalibrationPlan | None:
+    """What to measure within the budget, said before it starts; None (said too) when nothing
+    may be measured: ``fixed`` describes the tree used instead."""
+    if not (acceptance or costs):
+        return None
+    plan = None
+    if budget_seconds != 0:
+        plan = plan_calibration(target, acceptance=acceptance, costs=costs, eagle=eagle,
+                                num_prompts=num_prompts, max_new_tokens=max_new_tokens,
+                                budget_seconds=budget_seconds)
+    if plan is None:
+        why = ("the calibration budget is 0" if budget_seconds == 0 else
+               f"even the smallest calibration would take longer than its {budget_seconds:g} s "
+               "budget on this machine")
+        log(f"{artifact}: --tree auto has no stored calibration here and {why}; using {fixed} "
+            "(raise --tree-calibration-seconds to measure one)")
+        return None
+    limited = (f", reduced to fit the {budget_seconds:g} s budget" if plan.reduced else "")
+    log(f"{artifact}: calibrating the tree before the run ({plan.describe(acceptance, costs)}"
+        f"{limited}); --tree fixed or --tree-calibration-seconds 0 skips it")
+    return plan
 
 
 def _now() -> str:
@@ -409,53 +518,62 @@ def auto_eagle_tree(proposer, artifact: str | os.PathLike, target: Target, *,
                     max_nodes: int | None = None,
                     calibration_prompts=DEFAULT_CALIBRATION_PROMPTS,
                     num_prompts: int = CALIBRATION_NUM_PROMPTS,
-                    max_new_tokens: int = CALIBRATION_NEW_TOKENS) -> dict:
+                    max_new_tokens: int = CALIBRATION_NEW_TOKENS,
+                    budget_seconds: float | None = CALIBRATION_BUDGET_S) -> dict | None:
     """Choose and set the proposer's depth, topk and node count; returns the tree record.
 
     Reads ``<artifact>/tree_calibration.json``; measures what it lacks (acceptance for these
-    weights, costs for this machine), says so, and stores it back.
+    weights, costs for this machine) within ``budget_seconds`` (None: no bound), says so
+    beforehand, and stores it back. None (the proposer's tree unchanged) when something is
+    missing and may not be measured (a budget of 0, or one too small for this machine).
     """
     max_depth = MAX_DEPTH if max_depth is None else max_depth
     max_topk = MAX_TOPK if max_topk is None else max_topk
     max_nodes = MAX_NODES if max_nodes is None else max_nodes
     calibration = Calibration.load(artifact)
     digest = artifact_weights_digest(artifact)
-    changed = False
-    acceptance = calibration.acceptance.get(digest)
+    acceptance = calibration.usable("acceptance", digest, _acceptance_problem)
+    description = machine_description(target, draft_dtype)
+    key = machine_key(description)
+    costs = calibration.usable("machines", key, lambda e: _costs_problem(e, ("draft_seconds",)))
+    plan = _plan(artifact, target, acceptance=acceptance is None, costs=costs is None, eagle=True,
+                 num_prompts=num_prompts, max_new_tokens=max_new_tokens,
+                 budget_seconds=budget_seconds,
+                 fixed=f"the fixed tree (depth {proposer.depth}, topk {proposer.topk}, "
+                       f"{proposer.tree_nodes} nodes)")
+    if (acceptance is None or costs is None) and plan is None:
+        return None
     if acceptance is None:
         log(f"{artifact}: no acceptance statistics for these weights; measuring them on "
-            f"{num_prompts} prompts of {_source_name(calibration_prompts)} ({max_new_tokens} tokens "
-            "each)")
-        prompts = _calibration_prompts(target, calibration_prompts, num_prompts)
+            f"{plan.num_prompts} prompts of {_source_name(calibration_prompts)} "
+            f"({plan.max_new_tokens} tokens each)")
+        prompts = _calibration_prompts(target, calibration_prompts, plan.num_prompts)
         started = time.perf_counter()
         stats = eagle_rank_accuracies(proposer.head, target, prompts,
-                                      max_new_tokens=max_new_tokens)
-        acceptance = {**stats, "prompts": _source_name(calibration_prompts), "num_prompts": len(prompts),
-                      "max_new_tokens": max_new_tokens,
+                                      max_new_tokens=plan.max_new_tokens)
+        acceptance = {**stats, "prompts": _source_name(calibration_prompts),
+                      "num_prompts": len(prompts), "max_new_tokens": plan.max_new_tokens,
                       "draft_dtype": dtype_name(proposer.head.dtype), "measured_at": _now(),
                       "seconds": round(time.perf_counter() - started, 1)}
         calibration.acceptance = {digest: acceptance}  # other weights' statistics are stale
-        changed = True
-    description = machine_description(target, draft_dtype)
-    key = machine_key(description)
-    costs = calibration.machines.get(key)
     if costs is None:
         others = len(calibration.machines)
         log(f"{artifact}: measuring this machine's costs"
             + (f" ({others} calibration(s) from other machines are not used here)"
                if others else ""))
         started = time.perf_counter()
-        verify = measure_verify_cost(target, TIMED_SIZES, context=COST_CONTEXT,
-                                     repeats=COST_REPEATS)
+        verify = measure_verify_cost(target, plan.sizes, context=COST_CONTEXT,
+                                     repeats=plan.repeats)
         depths = range(1, MAX_DEPTH + 1)
-        draft = measure_eagle_draft_cost(proposer, target, depths, TOPK_CHOICES)
+        draft = measure_eagle_draft_cost(proposer, target, depths, plan.topks,
+                                         repeats=min(DRAFT_REPEATS, plan.repeats))
         costs = {"machine": description,
                  "verify_seconds": {str(n): s for n, s in verify.items()},
                  "draft_seconds": {f"{d},{k}": s for (d, k), s in draft.items()},
                  "context": COST_CONTEXT, "measured_at": _now(),
                  "seconds": round(time.perf_counter() - started, 1)}
         calibration.machines[key] = costs
-        changed = True
+    changed = plan is not None
     stored = changed and calibration.save()
     verify = {int(n): s for n, s in costs["verify_seconds"].items()}
     draft = {tuple(int(x) for x in dk.split(",")): s for dk, s in costs["draft_seconds"].items()}
@@ -528,59 +646,81 @@ def auto_medusa_tree(artifact: str | os.PathLike, target: Target, heads, tree_in
                      max_nodes: int | None = None,
                      calibration_prompts=DEFAULT_CALIBRATION_PROMPTS,
                      num_prompts: int = CALIBRATION_NUM_PROMPTS,
-                     max_new_tokens: int = CALIBRATION_NEW_TOKENS) -> tuple[list, dict]:
+                     max_new_tokens: int = CALIBRATION_NEW_TOKENS,
+                     budget_seconds: float | None = CALIBRATION_BUDGET_S,
+                     ) -> tuple[list, dict | None]:
     """The Medusa tree whose size maximises expected tokens/s here -> (tree, record).
 
     The accuracies are the artifact's stored held-out ones (``tree_info["rank_accuracies"]``),
     else measured on ``calibration_prompts`` and kept in the calibration file; the costs
-    (verification, the heads' proposal) are this machine's, measured once and kept.
+    (verification, the heads' proposal) are this machine's, measured once and kept. What is
+    missing is measured within ``budget_seconds``, said beforehand; when it may not be measured,
+    (the artifact's own tree, None).
     """
     calibration = Calibration.load(artifact)
-    changed = False
     acc = tree_info.get("rank_accuracies")
     source = "the artifact's held-out accuracies"
+    digest = artifact_weights_digest(artifact)
     if acc is None:
-        digest = artifact_weights_digest(artifact)
-        stats = calibration.acceptance.get(digest)
-        if stats is None:
-            log(f"{artifact}: the artifact stores no held-out accuracies; measuring them on "
-                f"{num_prompts} prompts of {_source_name(calibration_prompts)} "
-                f"({max_new_tokens} tokens each)")
-            prompts = _calibration_prompts(target, calibration_prompts, num_prompts)
-            stats = {**medusa_rank_accuracies(heads, target, prompts,
-                                              max_new_tokens=max_new_tokens),
-                     "prompts": _source_name(calibration_prompts), "num_prompts": len(prompts),
-                     "max_new_tokens": max_new_tokens, "measured_at": _now()}
-            calibration.acceptance = {digest: stats}
-            changed = True
-        acc, source = stats["rank_accuracies"], f"accuracies measured on {stats['prompts']}"
-    acc = rank_table(acc)[:heads.num_heads]
-    if max_depth is not None:
-        acc = acc[:max_depth]
-    if max_topk is not None:
-        acc = [row[:max_topk] for row in acc]
+        stats = calibration.usable("acceptance", digest, _acceptance_problem)
+        if stats is not None:
+            acc, source = stats["rank_accuracies"], f"accuracies measured on {stats['prompts']}"
     description = machine_description(target, None)
     key = machine_key(description)
-    costs = calibration.machines.get(key)
+    stored_costs = calibration.usable("machines", key,
+                                      lambda e: _costs_problem(e, ("head_seconds",)))
+
+    def table(accuracies) -> list[list[float]]:  # the heads and ranks the tree may use
+        rows = rank_table(accuracies)[:heads.num_heads][:max_depth]
+        return [row[:max_topk] for row in rows]
+
+    def costs_for(shape: list[int]) -> dict | None:  # this machine's costs for that shape
+        if stored_costs is not None and stored_costs.get("head_shape") == shape:
+            return stored_costs
+        if (tree_info.get("machine_key") == key and tree_info.get("head_shape") == shape
+                and _costs_problem(tree_info, ("head_seconds",)) is None):
+            # the trainer sized the artifact's tree on this machine: its costs are this machine's
+            return {k: tree_info[k] for k in ("machine", "verify_seconds", "head_seconds",
+                                               "head_shape", "context")}
+        return None
+
+    shape = None if acc is None else [len(table(acc)), len(table(acc)[0])]
+    costs = None if shape is None else costs_for(shape)
+    own = check_tree(read_artifact_config(artifact).get("tree") or default_chain(heads.num_heads),
+                     heads.num_heads)
+    plan = _plan(artifact, target, acceptance=acc is None, costs=costs is None, eagle=False,
+                 num_prompts=num_prompts, max_new_tokens=max_new_tokens,
+                 budget_seconds=budget_seconds,
+                 fixed=f"the artifact's own tree ({len(own)} nodes)")
+    if (acc is None or costs is None) and plan is None:
+        return own, None
+    if acc is None:
+        log(f"{artifact}: the artifact stores no held-out accuracies; measuring them on "
+            f"{plan.num_prompts} prompts of {_source_name(calibration_prompts)} "
+            f"({plan.max_new_tokens} tokens each)")
+        prompts = _calibration_prompts(target, calibration_prompts, plan.num_prompts)
+        stats = {**medusa_rank_accuracies(heads, target, prompts,
+                                          max_new_tokens=plan.max_new_tokens),
+                 "prompts": _source_name(calibration_prompts), "num_prompts": len(prompts),
+                 "max_new_tokens": plan.max_new_tokens, "measured_at": _now()}
+        calibration.acceptance = {digest: stats}
+        acc, source = stats["rank_accuracies"], f"accuracies measured on {stats['prompts']}"
+        costs = costs_for([len(table(acc)), len(table(acc)[0])])
+    acc = table(acc)
     depth, topk = len(acc), len(acc[0])
-    if (costs is None or costs.get("head_shape") != [depth, topk]) and (
-            tree_info.get("machine_key") == key and tree_info.get("head_shape") == [depth, topk]):
-        # the trainer sized the artifact's tree on this machine: its costs are this machine's
-        costs = {k: tree_info[k] for k in ("machine", "verify_seconds", "head_seconds",
-                                           "head_shape", "context")}
-    if costs is None or costs.get("head_shape") != [depth, topk]:
+    if costs is None:
         others = sum(1 for k in calibration.machines if k != key)
         log(f"{artifact}: measuring this machine's costs"
             + (f" ({others} calibration(s) from other machines are not used here)"
                if others else ""))
-        verify = measure_verify_cost(target, TIMED_SIZES, context=COST_CONTEXT,
-                                     repeats=COST_REPEATS)
+        verify = measure_verify_cost(target, plan.sizes, context=COST_CONTEXT,
+                                     repeats=plan.repeats)
         costs = {"machine": description,
                  "verify_seconds": {str(n): s for n, s in verify.items()},
                  "head_seconds": measure_head_cost(heads, depth=depth, topk=topk),
                  "head_shape": [depth, topk], "context": COST_CONTEXT, "measured_at": _now()}
         calibration.machines[key] = costs
-        changed = True
+    changed = plan is not None
     stored = changed and calibration.save()
     verify = {int(n): s for n, s in costs["verify_seconds"].items()}
     limit = MAX_NODES if max_nodes is None else max_nodes

@@ -20,6 +20,7 @@ import json
 import platform
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ from heads.target import Target, dtype_name, tree_attention_mask
 TIMED_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 COST_CONTEXT = 128  # tokens already cached when a verification or a draft round is timed
 COST_REPEATS = 9  # timings per size (the median is kept): a few % of noise moves a CPU's optimum
+TOPK_CHOICES = (1, 2, 3, 4, 6, 8)  # the EAGLE tree branchings whose draft rounds are timed
 
 
 def sync(device: torch.device) -> None:
@@ -193,3 +195,72 @@ def interpolate(costs: dict[int, float], n: int) -> float:
     lo = max(s for s in sizes if s < n)
     w = (n - lo) / (hi - lo)
     return costs[lo] * (1 - w) + costs[hi] * w
+
+
+# ---------------------------------------------------------------------------------------------
+# the calibration's budget: what --tree auto measures, sized to fit a stated time
+
+CALIBRATION_BUDGET_S = 60.0  # seconds a calibration may take before the run it serves
+SPARSE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # the verification sizes timed under a tight budget
+SPARSE_TOPKS = (1, 2, 4, 8)
+DRAFT_REPEATS = 5  # timings per EAGLE draft round shape
+
+
+@dataclass(frozen=True)
+class CalibrationPlan:
+    """What a calibration measures: acceptance on ``num_prompts`` x ``max_new_tokens`` (when the
+    artifact has none), verification at ``sizes`` x ``repeats`` and EAGLE draft rounds of
+    ``topks`` (when this machine's costs are missing), and about how long that takes."""
+
+    num_prompts: int
+    max_new_tokens: int
+    sizes: tuple[int, ...]
+    repeats: int
+    topks: tuple[int, ...]
+    seconds: float  # the estimate, from one timed decoding step
+    reduced: bool  # smaller than asked, to fit the budget
+
+    def describe(self, acceptance: bool, costs: bool) -> str:
+        parts = []
+        if acceptance:
+            parts.append(f"acceptance on {self.num_prompts} prompts x {self.max_new_tokens} tokens")
+        if costs:
+            parts.append(f"costs of {len(self.sizes)} verification sizes x {self.repeats} timings")
+        return f"about {self.seconds:.0f} s: " + ", ".join(parts)
+
+
+def plan_calibration(target: Target, *, acceptance: bool, costs: bool, eagle: bool,
+                     num_prompts: int, max_new_tokens: int,
+                     budget_seconds: float | None = CALIBRATION_BUDGET_S,
+                     ) -> CalibrationPlan | None:
+    """The largest calibration within ``budget_seconds`` (None: no bound), shrunk step by step
+    from the one asked for (fewer tokens, then prompts, sizes, timings, branchings), each
+    estimated from one timed decoding step of ``target``; None when even the smallest does not
+    fit (the caller then keeps a fixed tree and says so)."""
+    step = measure_verify_cost(target, (1,), context=COST_CONTEXT, repeats=2)[1]
+
+    def plan(p: int, t: int, sizes, repeats: int, topks, reduced: bool) -> CalibrationPlan:
+        seconds = 0.0
+        if acceptance:  # the target's continuation, then a forward over it per prompt
+            seconds += p * (t + 4) * step
+        if costs:  # a verification of n tokens costs about 1 + n / 32 decoding steps on a CPU
+            seconds += (repeats + 1) * sum(1 + n / 32 for n in sizes) * step
+            if eagle:  # a draft round: a few head passes, a tenth of a target step or so each
+                seconds += (DRAFT_REPEATS + 1) * 6 * len(topks) * 0.3 * step
+        return CalibrationPlan(p, t, tuple(sizes), repeats, tuple(topks), seconds, reduced)
+
+    asked = plan(num_prompts, max_new_tokens, TIMED_SIZES, COST_REPEATS, TOPK_CHOICES, False)
+    if budget_seconds is None or asked.seconds <= budget_seconds:
+        return asked
+    ladder = []
+    p, t = num_prompts, max_new_tokens
+    while t > 16 or p > 1:  # fewer tokens first (down to 16), then fewer prompts
+        t, p = (max(16, t // 2), p) if t > 16 else (t, max(1, p // 2))
+        ladder.append((p, t, TIMED_SIZES, COST_REPEATS, TOPK_CHOICES))
+    for repeats in (5, 3):
+        ladder.append((p, t, SPARSE_SIZES, repeats, SPARSE_TOPKS))
+    for args in ladder:
+        candidate = plan(*args, True)
+        if candidate.seconds <= budget_seconds:
+            return candidate
+    return None

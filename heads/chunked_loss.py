@@ -352,3 +352,21 @@ def next_token_mask(loss_mask: torch.Tensor) -> torch.Tensor:
     shifted = torch.zeros_like(loss_mask)
     shifted[..., :-1] = loss_mask[..., 1:]
     return shifted
+
+
+class DraftLoss(nn.Module):
+    """A draft plus its loss function as one module, what a trainer hands to
+    ``accelerator.prepare``: DDP synchronises gradients through the wrapped module's forward,
+    and a loss that runs the draft several times (training-time test, many blocks) is then one
+    forward per micro-batch. Subclasses name the loss function's options a trainer sets once
+    (``OPTIONS``); their one default is that function's signature's."""
+
+    OPTIONS: tuple[str, ...] = ()
+
+    def __init__(self, **options):
+        super().__init__()
+        unknown = sorted(set(options) - set(self.OPTIONS))
+        if unknown:
+            raise TypeError(f"{type(self).__name__} takes the loss's options "
+                            f"{', '.join(self.OPTIONS)}; got {', '.join(unknown)}")
+        self.loss_kwargs = options

@@ -8,6 +8,8 @@ Anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import os
+import shlex
 import sys
 from collections.abc import Callable
 
@@ -22,3 +24,9 @@ def run_command(main: Callable[[], object], prog: str) -> int:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+
+def shell_command(*words: str | os.PathLike) -> str:
+    """A command line to print for the user to paste: each word quoted for the shell (a path with
+    a space or a quote stays one word)."""
+    return shlex.join(os.fspath(w) for w in words)

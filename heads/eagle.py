@@ -73,11 +73,11 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from heads.artifact import load_artifact, save_artifact
+from heads.artifact import check_integers, load_artifact, save_artifact
 from heads.draft_vocab import build_draft_vocab as build_draft_vocab
 from heads.draft_vocab import check_vocab_maps
 from heads.draft_vocab import count_tokens as count_tokens
-from heads.target import Target
+from heads.target import FrozenParts, Target
 
 VERSIONS = (1, 3)
 METHOD_OF_VERSION = {1: "eagle1", 3: "eagle3"}
@@ -141,9 +141,20 @@ class EagleConfig:
     layer_config: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.version not in VERSIONS:
+        if self.version not in VERSIONS or isinstance(self.version, bool):
             raise ValueError(f"EAGLE version must be 1 or 3, got {self.version!r}")
-        self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
+        check_integers(self, ("vocab_size", "draft_vocab_size", "hidden_size",
+                              "target_hidden_size", "num_attention_heads", "num_key_value_heads",
+                              "head_dim", "intermediate_size", "target_num_layers"), "EagleConfig")
+        if not isinstance(self.aux_layer_ids, (list, tuple)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                for i in self.aux_layer_ids):
+            raise ValueError(f"EagleConfig.aux_layer_ids must be a list of hidden-state indices "
+                             f"(integers >= 0), got {self.aux_layer_ids!r}")
+        if not isinstance(self.layer_config, dict):
+            raise ValueError(f"EagleConfig.layer_config must be a mapping (a Llama config), got "
+                             f"{type(self.layer_config).__name__}")
+        self.aux_layer_ids = tuple(self.aux_layer_ids)
         if self.version == 1 and self.draft_vocab_size != self.vocab_size:
             raise ValueError(
                 "EAGLE-1 uses the target's LM head: draft_vocab_size must equal vocab_size"
@@ -397,21 +408,6 @@ def ttt_attention(
     return out[..., :d] + diag.reshape(B, H, n, d)  # (B, H, n, d)
 
 
-class _FrozenParts:
-    """The target's embedding and LM head, and the head's rotary tables, used by reference.
-
-    Not a Module, so they are never saved with the head, never handed to its optimizer, never
-    wrapped for gradient sync and never cast with the head (the rotary tables stay float32, as
-    in the target); a deepcopy of the head (e.g. for an EMA) shares them.
-    """
-
-    def __init__(self, embed: nn.Module, lm_head: nn.Module, rotary: nn.Module):
-        self.embed, self.lm_head, self.rotary = embed, lm_head, rotary
-
-    def __deepcopy__(self, memo):
-        return self
-
-
 class EagleHead(nn.Module):
     """An EAGLE-1 or EAGLE-3 head: a Llama decoder layer on top of the target.
 
@@ -462,7 +458,7 @@ class EagleHead(nn.Module):
         # The head's own rotary tables, from the target's rope settings and head_dim: the same
         # cos/sin as the target's for every position (tested for Llama, Qwen2, Qwen3, Mistral).
         rotary = LlamaRotaryEmbedding(self.layer_config).to(target.device)
-        self.frozen = _FrozenParts(embed=target.embed, lm_head=target.lm_head, rotary=rotary)
+        self.frozen = FrozenParts(embed=target.embed, lm_head=target.lm_head, rotary=rotary)
         self.to(device=target.device, dtype=dtype or target.dtype)
         if config.version == 3:
             with torch.no_grad():  # the target's final norm and its draft vocabulary's LM rows

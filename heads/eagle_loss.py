@@ -30,7 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.chunked_loss import DEFAULT_CHUNK_SIZE, projected_argmax, projected_cross_entropy
+from heads.chunked_loss import (
+    DEFAULT_CHUNK_SIZE,
+    DraftLoss,
+    projected_argmax,
+    projected_cross_entropy,
+)
 from heads.eagle import (
     DEFAULT_CE_WEIGHT,
     DEFAULT_NOISE,
@@ -56,29 +61,13 @@ def target_features(
     the aux indices concatenated in ascending order); last_hidden is index L (the target's
     distribution is lm_head(last_hidden)). The LM head itself is not run here.
 
-    Only the hidden states the head reads are kept (captured at the inputs of their decoder
-    layers), not all L + 1 of ``output_hidden_states``: on an 8B target that is 4 instead of 33
-    (B, S, h) tensors alive while the head trains.
+    Only the hidden states the head reads are kept (:meth:`heads.target.Target.hidden_states`).
     """
-    captured: dict[int, torch.Tensor] = {}
-    hooks = []
-
-    def capture(index: int):
-        def hook(module, args, kwargs):
-            captured[index] = args[0] if args else kwargs["hidden_states"]
-        return hook
-
     wanted = [i for i in config.aux_layer_ids if i < target.num_layers]
-    for i in wanted:  # index i is the input of decoder layer i
-        hooks.append(target.layers[i].register_forward_pre_hook(capture(i), with_kwargs=True))
-    try:
-        out = target.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    finally:
-        for handle in hooks:
-            handle.remove()
-    last = out.last_hidden_state  # index L: the final-normed last layer
+    captured, last = target.hidden_states(input_ids, wanted, attention_mask)
     if config.version == 1:
         return {"features": last, "last_hidden": last}
+    captured[target.num_layers] = last
     return {
         "features": torch.cat([captured[i] for i in config.aux_layer_ids], dim=-1),
         "last_hidden": last,
@@ -349,7 +338,7 @@ def eagle_loss(
     )
 
 
-class EagleLoss(nn.Module):
+class EagleLoss(DraftLoss):
     """The head plus its loss as one module: what a trainer hands to ``accelerator.prepare``.
 
     DDP synchronises gradients through the wrapped module's ``forward``, and the loss runs the head
@@ -358,27 +347,13 @@ class EagleLoss(nn.Module):
     The keywords are :func:`eagle_loss`'s; ``forward(batch, generator=None, reduction="mean")``.
     """
 
-    def __init__(
-        self,
-        head: EagleHead,
-        *,
-        steps: int = DEFAULT_TTT_STEPS,
-        decay: float = DEFAULT_STEP_DECAY,
-        feature_noise: float | None = None,
-        ce_weight: float = DEFAULT_CE_WEIGHT,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
-        gradient_checkpointing: bool = False,
-    ):
-        super().__init__()
+    # eagle_loss's options that a trainer sets once (reduction and generator come per call)
+    OPTIONS = ("steps", "decay", "feature_noise", "ce_weight", "chunk_size",
+               "gradient_checkpointing")
+
+    def __init__(self, head: EagleHead, **options):
+        super().__init__(**options)
         self.head = head
-        self.loss_kwargs = dict(
-            steps=steps,
-            decay=decay,
-            feature_noise=feature_noise,
-            ce_weight=ce_weight,
-            chunk_size=chunk_size,
-            gradient_checkpointing=gradient_checkpointing,
-        )
 
     def forward(
         self, batch: dict, generator: torch.Generator | None = None, reduction: str = "mean"

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.artifact import load_artifact, save_artifact
+from heads.artifact import check_integers, load_artifact, save_artifact
 from heads.draft_vocab import (
     check_vocab_maps,
     draft_token_ids,
@@ -70,15 +70,12 @@ class MedusaConfig:
     draft_vocab_size: int | None = None  # guess among this many target tokens (None: all)
 
     def __post_init__(self):
-        for name in ("hidden_size", "vocab_size", "num_heads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"MedusaConfig.{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.num_layers, int) or self.num_layers < 0:
-            raise ValueError(
-                f"MedusaConfig.num_layers (residual blocks per head) must be an integer >= 0, "
-                f"got {self.num_layers!r}"
-            )
+        check_integers(self, ("hidden_size", "vocab_size", "num_heads"), "MedusaConfig")
+        check_integers(self, ("num_layers",), "MedusaConfig", low=0)  # residual blocks per head
+        for name in ("share_lm_head", "bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MedusaConfig.{name} must be true or false, got "
+                                 f"{getattr(self, name)!r}")
         n = self.draft_vocab_size
         if n is not None and (not isinstance(n, int) or isinstance(n, bool)
                               or not 1 <= n <= self.vocab_size):

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from heads.artifact import read_artifact_config
+from heads.dflash import load_dflash
 from heads.eagle import load_eagle
 from heads.medusa import load_medusa
 
@@ -42,6 +43,10 @@ HEAD_METHODS: dict[str, HeadMethod] = {
     "medusa": HeadMethod(
         "medusa", ("medusa",), "heads.medusa", load_medusa,
         "K heads on the target's last hidden state, head k guessing token t+1+k"),
+    "dflash": HeadMethod(
+        "dflash", ("dflash", "dspark"), "heads.dflash", load_dflash,
+        "a block draft: a few decoder layers over the target's hidden states proposing a whole "
+        "block in one forward (DFlash; DSpark adds a Markov and a confidence head)"),
     "draft": HeadMethod(
         "draft", ("draft",), "distill.draft", None,
         "a small causal LM with the target's tokenizer, distilled from it (a Hugging Face "

@@ -12,7 +12,9 @@ seconds. Nothing here touches the network, and no code shipped with a model is e
 
 :meth:`Target.identity` is what an artifact, a checkpoint or a feature cache records about the
 target it was made for: its name, shapes, where it was loaded from and a fingerprint of its
-weights (:func:`weights_fingerprint`); :meth:`Target.check_identity` refuses another target.
+weights (:func:`weights_digest`, every weight; older records hold the sampled
+:func:`weights_fingerprint` only, still compared by it); :meth:`Target.check_identity` refuses
+another target.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 from torch import nn
 
 from heads.file_formats import FileFormatError, read_json_object
-from heads.output_dir import check_destination, write_dir
+from heads.output_dir import check_destination, write_atomic, write_dir
 
 EMBEDDED_TARGETS = {
     # name -> (python package holding the file, file name inside it)
@@ -321,6 +323,22 @@ def default_device_dtype(
     return dev, parse_dtype(dtype)
 
 
+class FrozenParts:
+    """The target's embedding and LM head, and a head's rotary tables, used by reference (an
+    EAGLE head, a block draft).
+
+    Not a Module, so they are never saved with the head, never handed to its optimizer, never
+    wrapped for gradient sync and never cast with the head (the rotary tables stay float32, as
+    in the target); a deepcopy of the head (e.g. for an EMA) shares them.
+    """
+
+    def __init__(self, embed: nn.Module, lm_head: nn.Module, rotary: nn.Module):
+        self.embed, self.lm_head, self.rotary = embed, lm_head, rotary
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 def tree_attention_mask(allowed: torch.Tensor, past: int, dtype: torch.dtype,
                         device: torch.device | str | None = None) -> torch.Tensor:
     """The 4-D additive mask for a forward over tree nodes on top of ``past`` cached positions.
@@ -376,11 +394,59 @@ def weights_fingerprint(model: nn.Module,
             values = read(names[id(whole)], count)
         else:
             return None
-        # float32 first, as a float32 load of the same checkpoint would hold them
-        values = values.detach().to("cpu").float().to(torch.bfloat16).contiguous()
-        digest.update(f"{name}:{tuple(whole.shape)};".encode())
-        digest.update(values.view(torch.int16).numpy().tobytes())
+        _hash_rounded(digest, name, whole.shape, values)
     return digest.hexdigest()[:16]
+
+
+def _hash_rounded(digest, name: str, shape, values: torch.Tensor) -> None:
+    """Add a tensor to ``digest``: its name, full shape and values rounded to bfloat16 (through
+    float32, as a float32 load of the same checkpoint would hold them)."""
+    values = values.detach().to("cpu").float().to(torch.bfloat16).contiguous()
+    digest.update(f"{name}:{tuple(shape)};".encode())
+    digest.update(values.view(torch.int16).numpy().tobytes())
+
+
+def weights_digest(model: nn.Module,
+                   read: Callable[[str, int], torch.Tensor] | None = None) -> str | None:
+    """sha256 of every weight (name, shape, values rounded to bfloat16: one digest in any
+    precision), in name order; a tied LM head is read once. A meta parameter is read whole with
+    ``read(name, numel)``, else None. Any changed value of any layer changes it; about a second
+    per 100 M parameters on a CPU, so :func:`cached_weights_digest` keeps it per directory."""
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters(), key=itemgetter(0)):
+        if not param.is_meta:
+            values = param.detach()
+        elif read is not None:
+            values = read(name, param.numel())
+        else:
+            return None
+        _hash_rounded(digest, name, param.shape, values)
+    return digest.hexdigest()
+
+
+def cached_weights_digest(path: Path, compute: Callable[[], str | None]) -> str | None:
+    """:func:`weights_digest` of the target directory ``path``, computed (``compute()``) once and
+    kept in ``<cache>/weights-digests/`` under the directory's resolved path with the size and
+    modification time of each weight file: a changed file is digested again."""
+    path = Path(path).resolve()
+    files = sorted(f for f in path.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf"))
+    stats = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
+    record = cache_root() / "weights-digests" / \
+        f"{hashlib.sha256(str(path).encode()).hexdigest()[:20]}.json"
+    try:
+        kept = json.loads(record.read_text())
+        if kept.get("path") == str(path) and kept.get("files") == stats and kept.get("digest"):
+            return kept["digest"]
+    except (OSError, ValueError, AttributeError):
+        pass  # none yet, or damaged: computed again
+    digest = compute()
+    try:
+        if digest is not None and stats:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(record, json.dumps({"path": str(path), "files": stats, "digest": digest}))
+    except OSError:
+        pass  # a read-only cache: computed again next time
+    return digest
 
 
 def freeze(model: nn.Module) -> nn.Module:
@@ -405,9 +471,10 @@ class Target:
     name: str
     path: Path | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    # weights_fingerprint, when the loader computed it from the checkpoint (a model loaded in
-    # parts cannot compute it from its own weights)
+    # weights_fingerprint and weights_digest, when the loader computed them from the checkpoint
+    # (a model loaded in parts cannot compute them from its own weights)
     fingerprint: str | None = None
+    digest: str | None = None
 
     @property
     def config(self):
@@ -461,10 +528,13 @@ class Target:
     def identity(self) -> dict:
         """What an artifact records about the target it was trained for; checked on load.
 
-        Shapes and ``weights_fingerprint`` are checked (:meth:`check_identity`); ``name``,
-        ``hub_id`` (when known) and ``path`` (the resolved model directory, when known) say where
-        to find the target again.
+        Shapes and ``weights_digest`` (every weight; ``weights_fingerprint``, the sampled one
+        older records hold, beside it) are checked (:meth:`check_identity`); ``name``, ``hub_id``
+        (when known) and ``path`` (the resolved model directory, when known) say where to find
+        the target again. A loaded target's digest is computed once (cached per directory).
         """
+        if self.digest is None and self.path is not None and Path(self.path).is_dir():
+            self.digest = cached_weights_digest(self.path, lambda: weights_digest(self.model))
         return {
             "name": self.name,
             "model_type": self.config.model_type,
@@ -472,6 +542,7 @@ class Target:
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_layers,
             "weights_fingerprint": self.fingerprint or weights_fingerprint(self.model),
+            "weights_digest": self.digest or weights_digest(self.model),
             "hub_id": target_hub_id(self.path if self.path is not None else self.name),
             "path": str(Path(self.path).resolve()) if self.path is not None else None,
         }
@@ -480,8 +551,9 @@ class Target:
                        allow_other_weights: bool = False) -> None:
         """Refuse an artifact trained for a different target.
 
-        Shapes must agree. So must the weights' fingerprints when both are known (records written
-        before fingerprints existed have none: nothing to compare), unless
+        Shapes must agree. So must the weights: by ``weights_digest`` (every weight) when the
+        record has one, else by the sampled ``weights_fingerprint`` of older records (records
+        written before fingerprints existed have neither: nothing to compare), unless
         ``allow_other_weights``: a draft trained for other weights of the same shapes loads and
         stays exact, but its guesses are rejected (acceptance near 0). Names are advisory.
         """
@@ -497,14 +569,16 @@ class Target:
                 f"the {what} was trained for target {recorded.get('name')!r}, not for "
                 f"{self.name!r} ({detail}); train a draft for this target or load the right one"
             )
-        theirs, ours = recorded.get("weights_fingerprint"), mine["weights_fingerprint"]
+        key = "weights_digest" if recorded.get("weights_digest") else "weights_fingerprint"
+        theirs, ours = recorded.get(key), mine[key]
         if allow_other_weights or not theirs or not ours or theirs == ours:
             return
         where = recorded.get("hub_id") or recorded.get("path")
+        kind = "digest" if key == "weights_digest" else "fingerprint"
         raise ValueError(
             f"the {what} was trained for target {recorded.get('name')!r} with weights "
-            f"fingerprint {theirs}, but {self.name!r} has the same shapes and other weights "
-            f"(fingerprint {ours}): its guesses would be rejected. Load it with the target it was "
+            f"{kind} {theirs[:16]}, but {self.name!r} has the same shapes and other weights "
+            f"({kind} {ours[:16]}): its guesses would be rejected. Load it with the target it was "
             f"trained for{f' ({where})' if where else ''}, or pass allow_other_weights=True "
             f"(--allow-other-weights on the command line) to use it anyway"
         )
@@ -522,6 +596,37 @@ class Target:
             use_cache=False,
         )
         return out.logits, [out.hidden_states[i] for i in layers]
+
+    def hidden_states(self, input_ids: torch.Tensor, indices, attention_mask=None
+                      ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """The hidden states ``indices`` (transformers' ``output_hidden_states`` numbering: index
+        i is the input of decoder layer i) and the final-normed last hidden state, without the
+        LM head -> ({index: (B, S, H)}, (B, S, H)).
+
+        Captured at the inputs of their decoder layers, so only these are kept, not all L + 1
+        (on an 8B target 4 instead of 33 (B, S, H) tensors alive while a head trains). Index L
+        (the final-normed state) is the second result.
+        """
+        captured: dict[int, torch.Tensor] = {}
+        hooks = []
+
+        def capture(index: int):
+            def hook(module, args, kwargs):
+                captured[index] = args[0] if args else kwargs["hidden_states"]
+            return hook
+
+        for i in indices:
+            if not 0 <= i < self.num_layers:
+                raise ValueError(f"hidden state {i} is not the input of one of the target's "
+                                 f"{self.num_layers} decoder layers")
+            hooks.append(self.layers[i].register_forward_pre_hook(capture(i), with_kwargs=True))
+        try:
+            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
+                               use_cache=False)
+        finally:
+            for handle in hooks:
+                handle.remove()
+        return captured, out.last_hidden_state
 
     def chat_ids(self, prompt: str | list[dict], system: str | None = None) -> list[int]:
         """Token ids of a user prompt (or a list of messages) with the chat template applied."""
@@ -556,11 +661,12 @@ def eos_ids_of(model: nn.Module, tokenizer) -> tuple[int, ...]:
 
 
 def wrap_target(model: nn.Module, tokenizer=None, name: str = "model", path=None,
-                fingerprint: str | None = None) -> Target:
+                fingerprint: str | None = None, digest: str | None = None) -> Target:
     """Freeze an already-built causal LM and wrap it (tests use this with tiny random models)."""
     freeze(model)
     return Target(model=model, tokenizer=tokenizer, name=name, path=path,
-                  eos_token_ids=eos_ids_of(model, tokenizer), fingerprint=fingerprint)
+                  eos_token_ids=eos_ids_of(model, tokenizer), fingerprint=fingerprint,
+                  digest=digest)
 
 
 def load_target(
@@ -684,4 +790,5 @@ def load_target_parts(
         return found[parameter]
 
     return wrap_target(model, tokenizer, name=name, path=path,
-                       fingerprint=weights_fingerprint(model, read))
+                       fingerprint=weights_fingerprint(model, read),
+                       digest=cached_weights_digest(path, lambda: weights_digest(model, read)))

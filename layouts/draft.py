@@ -17,20 +17,27 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from heads.file_formats import read_json_object
 from heads.output_dir import write_dir
 from layouts.files import ExportOptions, check_format, write_json
+from layouts.gguf import check_served, write_gguf
 from layouts.verdicts import say
 
 ARTIFACT_METHODS = ("draft",)
-FORMATS = {"draft": ("hf",)}
+FORMATS = {"draft": ("hf", "gguf")}
 REFUSED: dict[tuple[str, str], str] = {}
-NOT_RUN_HERE: dict[str, str] = {}  # transformers loads it here
+NOT_RUN_HERE: dict[str, str] = {}  # transformers and llama-server both run here
 
 
 def export_layout(artifact_dir: str | os.PathLike, fmt: str, out_dir: str | os.PathLike,
                   options: ExportOptions) -> Path:
-    """The layouts table's entry: a distilled draft in ``fmt`` (hf)."""
+    """The layouts table's entry: a distilled draft in ``fmt`` (hf, or gguf for llama.cpp's
+    ``--spec-type draft-simple``: the Hugging Face export converted by llama.cpp's converter)."""
     check_format(FORMATS, REFUSED, "draft", fmt)
+    if fmt == "gguf":
+        return write_gguf(out_dir, lambda tmp: export_draft_hf(artifact_dir, tmp),
+                          gguf_type=options.gguf_type, overwrite=options.overwrite,
+                          protect=[artifact_dir])
     return export_draft_hf(artifact_dir, out_dir, overwrite=options.overwrite)
 
 
@@ -61,7 +68,19 @@ def export_draft_hf(
 
 
 def check_draft_export(artifact_dir, fmt, out_dir, target) -> bool:
-    """Round trip: transformers loads the export with the artifact's logits."""
+    """Round trip: transformers loads the export with the artifact's logits; a GGUF is served by
+    llama-server beside its target."""
+    if fmt == "gguf":
+        from heads.target import load_target
+
+        recorded = (read_json_object(Path(artifact_dir) / "config.json",
+                                     fix="the draft is damaged").get("draftsmith") or {})
+        spec = (recorded.get("target") or {}).get("path") or target
+        if spec is None:
+            say("not verified", "llama-server loading the GGUF: the target is needed (--target)")
+            return True
+        return check_served(out_dir, load_target(spec, device="cpu", dtype="float32"),
+                            "draft-simple")
     a = AutoModelForCausalLM.from_pretrained(artifact_dir, trust_remote_code=False).eval()
     b = AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=False).eval()
     ids = torch.randint(0, a.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))

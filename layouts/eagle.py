@@ -71,6 +71,7 @@ from layouts.files import (
     resolve_hub_id,
     write_export,
 )
+from layouts.gguf import check_gguf_destination, check_served, write_gguf
 from layouts.verdicts import max_diff, say
 
 ARTIFACT_METHODS = ("eagle1", "eagle3")
@@ -81,7 +82,7 @@ NOT_RUN_HERE = {
 }
 FORMATS = {
     "eagle1": ("vllm", "sglang"),
-    "eagle3": ("vllm", "sglang", "speculators"),
+    "eagle3": ("vllm", "sglang", "speculators", "gguf"),
 }
 REFUSED = {
     ("eagle1", "speculators"): (
@@ -90,6 +91,11 @@ REFUSED = {
         "speculators path loads none either. Export EAGLE-1 with --format vllm (vLLM "
         "EagleLlamaForCausalLM) or --format sglang, or train an EAGLE-3 head "
         "(train/eagle.py --version 3) for speculators"
+    ),
+    ("eagle1", "gguf"): (
+        "llama.cpp serves EAGLE-3 heads only (--spec-type draft-eagle3; its converter has no "
+        "EAGLE-1 model). Train an EAGLE-3 head (train/eagle.py --version 3) for llama.cpp, or "
+        "export this one with --format vllm or --format sglang"
     ),
 }
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -309,9 +315,32 @@ def export_eagle(
                         source=artifact_dir, fmt=fmt, overwrite=overwrite)
 
 
+def export_eagle_gguf(artifact_dir: str | os.PathLike, out_file: str | os.PathLike, *,
+                      target: Target | str | os.PathLike | None = None,
+                      gguf_type: str | None = None, overwrite: bool = False) -> Path:
+    """An EAGLE-3 head as a GGUF file for llama.cpp (``--spec-type draft-eagle3``): the vLLM
+    layout converted by llama.cpp's converter, which reads the target's Hugging Face directory
+    (``target``, default the recorded one) for its vocabulary and aux layers."""
+    meta = read_artifact_config(artifact_dir, ("eagle1", "eagle3"))
+    check_format(FORMATS, REFUSED, meta["method"], "gguf")
+    found = find_target(meta, target)
+    if found is None or found.path is None:
+        raise ValueError(
+            "llama.cpp's converter reads the target's Hugging Face directory for an EAGLE-3 "
+            "head (its vocabulary and layers), and this artifact's target is not on this machine"
+            ": pass --target (a directory, a .gguf or an embedded name)")
+    check_gguf_destination(out_file, overwrite=overwrite, protect=[artifact_dir, found.path])
+    return write_gguf(out_file, lambda tmp: export_eagle(artifact_dir, "vllm", tmp),
+                      gguf_type=gguf_type, target_model_dir=found.path, overwrite=overwrite,
+                      protect=[artifact_dir, found.path])
+
+
 def export_layout(artifact_dir: str | os.PathLike, fmt: str, out_dir: str | os.PathLike,
                   options: ExportOptions) -> Path:
-    """The layouts table's entry: :func:`export_eagle` with the command line's options."""
+    """The layouts table's entry: :func:`export_eagle` (or the GGUF) with the options."""
+    if fmt == "gguf":
+        return export_eagle_gguf(artifact_dir, out_dir, target=options.target,
+                                 gguf_type=options.gguf_type, overwrite=options.overwrite)
     return export_eagle(artifact_dir, fmt, out_dir, verifier=options.verifier,
                         target=options.target, overwrite=options.overwrite)
 
@@ -591,6 +620,8 @@ def check_eagle_export(artifact_dir, fmt, out_dir, target) -> bool:
     if target is None:
         say("not verified", "round trip and consumer load: the target is needed (pass --target)")
         return True
+    if fmt == "gguf":  # the consumer runs here: serve it
+        return check_served(out_dir, target, "draft-eagle3")
     head = load_eagle(artifact_dir, target).eval()
     back = load_eagle_head(out_dir, target).eval()
     ids, features = _eagle_inputs(target, head.version, head.config.aux_layer_ids)

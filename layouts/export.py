@@ -23,6 +23,8 @@ from heads.command_line import USER_ERRORS, run_command
 from heads.methods import artifact_method
 from heads.target import Target
 from layouts.files import ExportOptions, check_format
+from layouts.gguf import DEFAULT_GGUF_TYPE
+from layouts.llama_cpp import GGUF_TYPES
 from layouts.table import all_formats, layouts_of, refused_formats
 from layouts.verdicts import say
 
@@ -37,6 +39,7 @@ def export(
     target: Target | str | os.PathLike | None = None,
     write_pt: bool = False,
     overwrite: bool = False,
+    gguf_type: str | None = None,
 ) -> Path:
     """Dispatch on the artifact's method; an unknown or refused format says what to use."""
     artifact_dir = Path(artifact_dir)
@@ -46,7 +49,7 @@ def export(
     row = layouts_of(method)
     check_format(row.formats, row.refused, method, fmt)
     options = ExportOptions(verifier=verifier, base_model=base_model, target=target,
-                            write_pt=write_pt, overwrite=overwrite)
+                            write_pt=write_pt, overwrite=overwrite, gguf_type=gguf_type)
     return row.export(artifact_dir, fmt, out_dir, options)
 
 
@@ -92,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--write-pt", action="store_true",
                         help="fasterdecoding: also write medusa_lm_head.pt (a torch.save pickle "
                         "of plain tensors), the only file FasterDecoding's loader reads")
+    parser.add_argument("--gguf-type", choices=GGUF_TYPES, default=None,
+                        help=f"gguf: the head's precision in the GGUF file (default "
+                        f"{DEFAULT_GGUF_TYPE}); --out is then the .gguf file to write")
     parser.add_argument("--check", action="store_true",
                         help="after writing, read the export back and run the consumer checks "
                         "available here; print what was verified and what was not")
@@ -106,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     out = export(args.artifact, args.fmt, args.out, verifier=args.verifier,
                  base_model=args.base_model, target=args.target, write_pt=args.write_pt,
-                 overwrite=args.overwrite)
+                 overwrite=args.overwrite, gguf_type=args.gguf_type)
     print(f"wrote {out}")
     row = layouts_of(artifact_method(args.artifact))
     for line in row.notes(out, args.fmt) if row.notes else ():

@@ -32,6 +32,7 @@ class ExportOptions:
     target: Target | str | os.PathLike | None = None  # the target, when the record does not find it
     write_pt: bool = False  # fasterdecoding: also medusa_lm_head.pt
     overwrite: bool = False  # replace --out even if it holds other files (never the artifact)
+    gguf_type: str | None = None  # gguf: the head's precision (f32, f16, bf16, q8_0)
 
 
 def check_format(formats: dict[str, tuple[str, ...]], refused: dict[tuple[str, str], str],

@@ -60,6 +60,12 @@ REFUSED = {
         "--format trtllm for TensorRT-LLM, or --format fasterdecoding --write-pt for "
         "FasterDecoding/Medusa"
     ),
+    (METHOD, "gguf"): (
+        "llama.cpp serves no Medusa heads (its speculative types are draft models, EAGLE-3, "
+        "block drafts, MTP and n-gram lookup). For llama.cpp train an EAGLE-3 head "
+        "(train/eagle.py) or a distilled draft (train/distill.py) and export that with --format "
+        "gguf"
+    ),
 }
 _TRTLLM_WEIGHTS = "medusa_lm_head.safetensors"
 _PT_WEIGHTS = "medusa_lm_head.pt"  # FasterDecoding's loader reads only this pickle

@@ -1,7 +1,7 @@
 """The layouts floor's table: every method's serving layouts, their writer and their check.
 
 One row per method (the column names of ``heads.methods.HEAD_METHODS``), each from the method's
-own module here (layouts/eagle.py, layouts/medusa.py, layouts/draft.py), which keeps its writers
+own module here (layouts/eagle.py, layouts/medusa.py, layouts/dflash.py, layouts/draft.py), which keeps its writers
 and its readers side by side:
 
 * ``formats``: artifact method -> the formats written (``--format``);
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from layouts import draft, eagle, medusa
+from layouts import dflash, draft, eagle, medusa
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,8 @@ LAYOUTS: dict[str, MethodLayouts] = {
     "medusa": MethodLayouts("medusa", medusa.FORMATS, medusa.REFUSED, medusa.export_layout,
                             medusa.check_medusa_export, medusa.NOT_RUN_HERE,
                             medusa.medusa_export_notes),
+    "dflash": MethodLayouts("dflash", dflash.FORMATS, dflash.REFUSED, dflash.export_layout,
+                            dflash.check_block_export, dflash.NOT_RUN_HERE),
     "draft": MethodLayouts("draft", draft.FORMATS, draft.REFUSED, draft.export_layout,
                            draft.check_draft_export, draft.NOT_RUN_HERE),
 }

@@ -19,11 +19,12 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 import eval.bench as bench
 from distill.draft import load_draft
 from eval.acceptance import DepthCounts
-from eval.bench import explain_differences, run_benchmark
+from eval.bench import explain_differences
 from eval.draft import DraftModelProposer
 from eval.engine import SpeculativeEngine, measure_acceptance
 from eval.methods import build_methods, fixed_options, option_flags, options_from_args, owners
 from eval.prompts import Prompt, load_prompts, read_prompts
+from eval.runners import run_benchmark
 from eval.sampling import SamplingParams
 from eval.summary import (
     DIVERGED,

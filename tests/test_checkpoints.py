@@ -356,10 +356,11 @@ def test_a_damaged_latest_checkpoint_is_named_and_the_previous_resumes_exactly(
 
 
 def test_a_non_finite_loss_stops_training_and_saves_nothing(toy, tmp_path):
-    # a learning rate that overflows the weights: the loss is NaN at step 2, before any save
+    # the loss is NaN at step 2, before any save (a learning rate that would overflow the weights
+    # is refused at parse: tests/test_hostile.py)
     with pytest.raises(NonFiniteLoss, match=r"non-finite \(NaN or inf\) at optimizer step 2, "
                                              r"micro-batch 0 of process 0 \(training rows \["):
-        run(toy, tmp_path / "huge", learning_rate=1e36, warmup_steps=0, lr_schedule="constant")
+        run(toy, tmp_path / "huge", nan_from_step=2)
     assert not (tmp_path / "huge" / "artifact").exists()
     assert not (tmp_path / "huge" / "checkpoints").exists()
     # a step function whose loss turns NaN at step 4: step_2 stays the last checkpoint, from
@@ -392,7 +393,7 @@ def test_results_without_checkpoints_are_never_replaced_unasked(toy, tmp_path):
                                           tmp_path / "artifact" / "model.safetensors"]}
     for resume in (None, "latest"):
         with pytest.raises(ValueError, match=r"holds the results of an earlier run \(artifact, "
-                                             r"metrics.jsonl\) but no checkpoint.*--overwrite true"):
+                                             r"metrics.jsonl, config.yaml\) but no checkpoint.*--overwrite true"):
             run(toy, tmp_path, resume=resume)
     assert {p: p.read_bytes() for p in before} == before
     assert run(toy, tmp_path, max_steps=3, overwrite=True)["step"] == 3
@@ -752,7 +753,7 @@ def test_train_config_subclass_parses_and_validates(toy, tmp_path):
         (dict(per_device_batch_size=0), r"'per_device_batch_size' must be >= 1, got 0"),
         (dict(max_steps=None, num_epochs=None), r"'max_steps' and 'num_epochs' are both none"),
         (dict(min_lr_ratio=1.5), r"'min_lr_ratio' must be in \[0, 1\]"),
-        (dict(learning_rate=0.0), r"'learning_rate' must be > 0"),
+        (dict(learning_rate=0.0), r"'learning_rate' must be in \(0, 1\], got 0.0$"),
         (dict(keep_checkpoints=0), r"'keep_checkpoints' must be >= 1"),
         (dict(resume=" "), r"'resume' is empty"),
     ]:

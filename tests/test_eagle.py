@@ -512,3 +512,13 @@ def test_a_head_is_refused_on_a_same_shape_target_with_other_weights(tmp_path):
     assert EagleProposer.from_artifact(path, other, allow_other_weights=True)
     assert build_methods([f"eagle:{path}"], other, allow_other_weights=True)
     assert EagleProposer.from_artifact(path, trained_for)  # its own target, of course
+
+
+def test_eagle_loss_module_takes_exactly_the_losss_options():
+    import inspect
+
+    keywords = {n for n, p in inspect.signature(eagle_loss).parameters.items()
+                if p.kind is p.KEYWORD_ONLY}
+    assert set(EagleLoss.OPTIONS) == keywords - {"reduction", "generator"}
+    with pytest.raises(TypeError, match="got stepz"):
+        EagleLoss(None, stepz=3)

@@ -145,7 +145,8 @@ def test_train_export_reload_gives_identical_draft_logits(tmp_path, kind, versio
     expected = draft_logits(head, target)
     for a, b in zip(draft_logits(load_eagle(artifact, target), target), expected):
         assert torch.equal(a, b)
-    for fmt in all_formats()[head.config.method]:
+    # gguf is llama.cpp's converter's work, served in tests/test_llama_cpp.py
+    for fmt in [f for f in all_formats()[head.config.method] if f != "gguf"]:
         # speculators names its verifier by hub id and ships the target's embedding
         extra = {"verifier": "org/tiny", "target": target} if fmt == "speculators" else {}
         out = export(artifact, fmt, tmp_path / fmt, **extra)

@@ -543,7 +543,7 @@ def test_cli_and_bad_inputs(tmp_path, artifacts, capsys):
     (plain / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="expected one of"):
         export(plain, "hf", tmp_path / "p")
-    assert all_formats()["draft"] == ("hf",)
+    assert all_formats()["draft"] == ("hf", "gguf")
 
 
 def test_check_reports_what_it_verified(tmp_path, target, artifacts, capsys):

@@ -183,6 +183,38 @@ def test_cast_artifact_halves_the_weights_and_keeps_integer_maps(tmp_path):
     assert torch.equal(tensors["d2t"], weights["d2t"])  # int64 unchanged
     assert (out / "README.md").read_text() == "how it was trained"
     assert (out / "model.safetensors").stat().st_size < (source / "model.safetensors").stat().st_size
-    with pytest.raises(SystemExit):  # never in place
-        main(["cast", str(source), str(source), "--dtype", "bf16"])
+    assert main(["cast", str(source), str(source), "--dtype", "bf16"]) == 2  # never in place
     assert load_artifact(source)[1]["fc.weight"].dtype == torch.float32
+
+
+def test_leftovers_of_a_killed_writer_go_and_a_running_ones_stay(tmp_path):
+    import subprocess
+    import sys
+
+    from heads.output_dir import _host, remove_leftovers
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_pid = int(dead.stdout)
+    dest = tmp_path / "export"
+    write_dir(dest, fill_with("old"), kind="export")
+
+    def leftover(name: str, pid: int, kind: str = "export") -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        (path / MARKER).write_text(json.dumps({"written_by": "draftsmith", "kind": kind,
+                                               "staged_by": {"host": _host(), "pid": pid}}))
+        return path
+
+    stale = leftover(f".export.tmp-{_host()}-{dead_pid}-a", dead_pid)
+    running = leftover(f".export.tmp-{_host()}-{os.getpid()}-b", os.getpid())
+    other_kind = leftover(f".export.tmp-{_host()}-{dead_pid}-c", dead_pid, kind="artifact")
+    empty = tmp_path / f".export.tmp-{_host()}-{dead_pid}-d"
+    empty.mkdir()
+    assert sorted(remove_leftovers(dest, kind="export")) == sorted([stale, empty])
+    assert running.exists() and other_kind.exists()
+    # killed between moving the previous directory aside and renaming the new one in: put back
+    holder = leftover(f".export.old-{_host()}-{dead_pid}-e", dead_pid)
+    os.replace(dest, holder / "export")
+    assert remove_leftovers(dest, kind="export") == [holder]
+    assert (dest / "a.txt").read_text() == "old" and not holder.exists()

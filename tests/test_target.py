@@ -99,15 +99,22 @@ def test_check_identity_refuses_other_weights_unless_allowed():
     mine, other = wrap_target(llama(), name="a"), wrap_target(llama(seed=1), name="b")
     recorded = mine.identity()
     mine.check_identity(recorded)
-    theirs, ours = recorded["weights_fingerprint"], other.identity()["weights_fingerprint"]
-    with pytest.raises(ValueError, match=rf"trained for target 'a' with weights fingerprint "
-                                         rf"{theirs}, but 'b' has the same shapes and other "
-                                         rf"weights \(fingerprint {ours}\).*"
+    theirs, ours = recorded["weights_digest"], other.identity()["weights_digest"]
+    with pytest.raises(ValueError, match=rf"trained for target 'a' with weights digest "
+                                         rf"{theirs[:16]}, but 'b' has the same shapes and other "
+                                         rf"weights \(digest {ours[:16]}\).*"
                                          r"allow_other_weights=True"):
         other.check_identity(recorded, what="artifact x")
     other.check_identity(recorded, allow_other_weights=True)
+    # recorded before digests existed: compared by the sampled fingerprint
+    older = {k: v for k, v in recorded.items() if k != "weights_digest"}
+    theirs, ours = recorded["weights_fingerprint"], other.identity()["weights_fingerprint"]
+    with pytest.raises(ValueError, match=rf"weights fingerprint {theirs}, .*\(fingerprint "
+                                         rf"{ours}\)"):
+        other.check_identity(older)
+    mine.check_identity(older)
     # recorded before fingerprints existed: nothing to compare
-    other.check_identity({k: v for k, v in recorded.items() if k != "weights_fingerprint"})
+    other.check_identity({k: v for k, v in older.items() if k != "weights_fingerprint"})
     smaller = wrap_target(llama(layers=2), name="c")
     with pytest.raises(ValueError, match="num_hidden_layers: 3 there vs 2 here"):
         smaller.check_identity(recorded, allow_other_weights=True)  # shapes are never waived
@@ -127,7 +134,7 @@ def test_artifacts_are_refused_by_a_target_with_other_weights(tmp_path):
     # an artifact written before fingerprints were recorded still loads
     config_path = tmp_path / "medusa" / "config.json"
     config = json.loads(config_path.read_text())
-    del config["target"]["weights_fingerprint"]
+    del config["target"]["weights_fingerprint"], config["target"]["weights_digest"]
     config_path.write_text(json.dumps(config))
     assert load_medusa(tmp_path / "medusa", other).heads.num_heads == 2
 

@@ -138,12 +138,108 @@ def test_calibration_is_stored_reused_and_redone_on_another_machine(tmp_path, ta
     assert "no acceptance statistics" in capsys.readouterr().err
 
 
-def test_a_broken_calibration_file_is_named(tmp_path, target, heads):
+def _calibration(acceptance=None, machines=None) -> str:
+    return json.dumps({"format": tree_auto.CALIBRATION_FORMAT,
+                       "version": tree_auto.CALIBRATION_VERSION,
+                       "acceptance": acceptance or {}, "machines": machines or {}})
+
+
+@pytest.mark.parametrize("damage, said", [
+    (lambda path, key: b"{not json", "is damaged (not JSON"),
+    (lambda path, key: b'{"format": "draftsmith-tree-calibration", \xff}', "is damaged (byte 42 "
+     "is not UTF-8 text)"),
+    (lambda path, key: b"[1, 2]", "is damaged (not a draftsmith-tree-calibration file)"),
+    (lambda path, key: _calibration(machines={key: {"verify_seconds": {"1": "fast", "2": 0.1},
+                                                    "draft_seconds": {"1,1": 0.1}}}).encode(),
+     "its machines entry {key} is damaged (verify_seconds is not a mapping"),
+    (lambda path, key: _calibration(acceptance={tree_auto.artifact_weights_digest(path): {
+        "rank_accuracies": [[0.5, "x"]]}}).encode(),
+     "its acceptance entry {digest} is damaged (rank_accuracies is not a table"),
+])
+def test_a_damaged_calibration_is_named_and_measured_again(tmp_path, target, heads, capsys,
+                                                           damage, said):
     path = save_eagle(heads[1]["trained"], tmp_path / "head", target)
-    (path / tree_auto.CALIBRATION_FILE).write_text("{not json")
-    with pytest.raises(ValueError, match="not a readable tree calibration"):
-        tree_auto.auto_eagle_tree(EagleProposer.from_artifact(path, target), path, target,
-                                  calibration_prompts=PROMPTS)
+    key = tree_auto.machine_key(tree_auto.machine_description(target, None))
+    file = path / tree_auto.CALIBRATION_FILE
+    file.write_bytes(damage(path, key))
+    chosen = tree_auto.auto_eagle_tree(EagleProposer.from_artifact(path, target), path, target,
+                                       calibration_prompts=PROMPTS)
+    assert chosen["measured_now"] and chosen["tree_nodes"] >= 1
+    digest = tree_auto.artifact_weights_digest(path)
+    assert f"{file}{':' if 'entry' in said else ''} {said.format(key=key, digest=digest)}" in \
+        capsys.readouterr().err
+    stored = json.loads(file.read_text())
+    assert stored["acceptance"][digest]["rank_accuracies"] and key in stored["machines"]
+
+
+def test_a_damaged_medusa_calibration_is_measured_again(tmp_path, target, capsys):
+    from heads.medusa import MedusaHeads, save_medusa
+
+    path = save_medusa(tmp_path / "medusa", MedusaHeads.from_target(target, num_heads=2), target)
+    (path / tree_auto.CALIBRATION_FILE).write_bytes(b"\x80\x81")
+    from eval.medusa import MedusaProposer
+
+    proposer = MedusaProposer.from_artifact(path, target)
+    tree, record = tree_auto.auto_medusa_tree(path, target, proposer.heads, proposer.tree_info,
+                                              calibration_prompts=PROMPTS)
+    assert record["measured_now"] and tree
+    assert "is damaged (byte 0 is not UTF-8 text)" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# the calibration's budget
+
+
+def test_the_calibration_says_how_long_it_takes_and_fits_its_budget(tmp_path, target, heads,
+                                                                    monkeypatch, capsys):
+    from eval import tree_cost
+
+    path = save_eagle(heads[3]["trained"], tmp_path / "head", target)
+    # one decoding step "takes" 0.1 s: 8 prompts x 64 tokens and every timing would not fit
+    monkeypatch.setattr(tree_cost, "measure_verify_cost", lambda *a, **k: {1: 0.1})
+    chosen = tree_auto.auto_eagle_tree(EagleProposer.from_artifact(path, target), path, target,
+                                       calibration_prompts=PROMPTS, budget_seconds=30)
+    err = capsys.readouterr().err
+    said = err.index("calibrating the tree before the run (about ")
+    seconds = float(err[said:].split("(about ")[1].split(" s")[0])
+    assert seconds <= 30 and "reduced to fit the 30 s budget" in err
+    assert "--tree fixed or --tree-calibration-seconds 0 skips it" in err
+    assert said < err.index("no acceptance statistics") < err.index("measuring this machine")
+    stored = json.loads((path / tree_auto.CALIBRATION_FILE).read_text())
+    (acceptance,) = stored["acceptance"].values()
+    assert acceptance["num_prompts"] * acceptance["max_new_tokens"] < 8 * 64
+    assert chosen["measured_now"]
+    plan = tree_cost.plan_calibration(target, acceptance=True, costs=True, eagle=True,
+                                      num_prompts=8, max_new_tokens=64, budget_seconds=None)
+    assert not plan.reduced and plan.seconds > 30  # no bound: what was asked
+    assert tree_cost.plan_calibration(target, acceptance=True, costs=True, eagle=True,
+                                      num_prompts=8, max_new_tokens=64, budget_seconds=1) is None
+
+
+def test_a_budget_of_zero_skips_the_calibration(tmp_path, target, heads, monkeypatch, capsys):
+    path = save_eagle(heads[3]["trained"], tmp_path / "head", target)
+    proposer = EagleProposer.from_artifact(path, target)
+    fixed = (proposer.depth, proposer.topk, proposer.tree_nodes)
+    monkeypatch.setattr(tree_auto, "measure_verify_cost", lambda *a, **k: pytest.fail("measured"))
+    assert tree_auto.auto_eagle_tree(proposer, path, target, calibration_prompts=PROMPTS,
+                                     budget_seconds=0) is None
+    assert (proposer.depth, proposer.topk, proposer.tree_nodes) == fixed
+    assert "the calibration budget is 0; using the fixed tree" in capsys.readouterr().err
+    assert not (path / tree_auto.CALIBRATION_FILE).exists()
+    monkeypatch.undo()
+    tree_auto.auto_eagle_tree(EagleProposer.from_artifact(path, target), path, target,
+                              calibration_prompts=PROMPTS)  # stored now
+    again = tree_auto.auto_eagle_tree(EagleProposer.from_artifact(path, target), path, target,
+                                      calibration_prompts=PROMPTS, budget_seconds=0)
+    assert again["mode"] == "auto" and not again["measured_now"]  # a stored one is still used
+
+
+def test_bench_takes_the_calibration_budget():
+    import eval.bench as bench
+
+    args = bench.build_parser().parse_args(["--target", "t", "--method", "plain", "--prompts", "p",
+                                            "--tree-calibration-seconds", "0"])
+    assert args.tree_calibration_seconds == 0
 
 
 def test_bench_chooses_trees_by_default_and_reports_expected_beside_measured(tmp_path, capsys):

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Sampler
@@ -245,6 +246,7 @@ def _ignore_stop_signals(worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+@dataclass
 class TrainBatches:
     """The run's data: a dataset, its :class:`BatchPlan` and how rows become a batch.
 
@@ -252,16 +254,18 @@ class TrainBatches:
     this process's collated batches (dicts of tensors on ``device``), ``accumulation`` of them.
     """
 
-    def __init__(self, dataset, plan: BatchPlan, collate_fn: Callable, *, process_index: int = 0,
-                 num_workers: int = 0, pin_memory: bool = False):
-        if len(dataset) != len(plan.lengths):
-            raise ValueError(f"the plan has {len(plan.lengths)} rows, the dataset {len(dataset)}")
-        self.dataset = dataset
-        self.plan = plan
-        self.collate_fn = collate_fn
-        self.process_index = process_index
-        self.num_workers = num_workers
-        self.pin_memory = pin_memory
+    dataset: Any
+    plan: BatchPlan
+    collate_fn: Callable
+    _: KW_ONLY
+    process_index: int = 0
+    num_workers: int = 0
+    pin_memory: bool = False
+
+    def __post_init__(self):
+        if len(self.dataset) != len(self.plan.lengths):
+            raise ValueError(f"the plan has {len(self.plan.lengths)} rows, the dataset "
+                             f"{len(self.dataset)}")
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -302,6 +306,15 @@ def make_batches(dataset, cfg, accelerator, collate_fn: Callable, *, lengths: Se
                         pin_memory=accelerator.device.type == "cuda")
 
 
+def scored_tokens(loss_mask) -> int:
+    """How many tokens a row's loss scores: the ones of its ``loss_mask`` (a list, or a tensor of
+    any integer type: an int8 mask is summed in int64, never in its own type, where 200 ones
+    would sum to -56)."""
+    if isinstance(loss_mask, torch.Tensor):
+        return int(loss_mask.sum(dtype=torch.int64))
+    return int(sum(loss_mask))
+
+
 def row_sizes(rows, chunk: int = 1024) -> tuple[list[int], list[int]]:
     """(tokens, scored tokens) of every row: ``len(input_ids)`` and ``sum(loss_mask)``.
 
@@ -312,11 +325,11 @@ def row_sizes(rows, chunk: int = 1024) -> tuple[list[int], list[int]]:
     if hasattr(rows, "iter"):
         for part in rows.select_columns(["input_ids", "loss_mask"]).iter(batch_size=chunk):
             lengths += [len(ids) for ids in part["input_ids"]]
-            scored += [int(sum(mask)) for mask in part["loss_mask"]]
+            scored += [scored_tokens(mask) for mask in part["loss_mask"]]
     else:
         for row in rows:
             lengths.append(len(row["input_ids"]))
-            scored.append(int(sum(row["loss_mask"])))
+            scored.append(scored_tokens(row["loss_mask"]))
     return lengths, scored
 
 

@@ -39,23 +39,33 @@ from pathlib import Path
 
 from accelerate import Accelerator
 from accelerate.utils import load as accelerate_load
+from safetensors.torch import load_file
 
+from heads.artifact import NonFiniteWeights, check_finite
 from heads.file_formats import FileFormatError, read_json_object, safetensors_problem
 from heads.output_dir import (
     check_destination,
     check_writable_dir,
     commit_dir,
+    named_paths,
     read_marker,
+    refuse_inputs,
     remove_dir,
     stage_dir,
 )
 from train.batches import BatchPlan
-from train.config import config_diff, config_to_dict, may_change_on_resume, save_config
+from train.config import (
+    config_diff,
+    config_to_dict,
+    may_change_on_resume,
+    read_saved_config,
+    save_config,
+)
 
 STATE_FILE = "trainer_state.json"
 FORMAT_VERSION = 2
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_RESULTS = ("artifact", "metrics.jsonl")
+_RESULTS = ("artifact", "metrics.jsonl", "config.yaml")  # what a run writes beside checkpoints/
 CHECKPOINT_KIND = "checkpoint"  # the heads.output_dir marker kind of a checkpoint directory
 # identity keys that say where the target was found, not what it is
 _TARGET_LOCATION = ("path", "hub_id")
@@ -152,6 +162,11 @@ def checkpoint_problems(path: str | os.PathLike) -> list[str]:
         problem = safetensors_problem(file)
         if problem:
             problems.append(f"{file.name} {problem}")
+            continue
+        try:
+            check_finite(load_file(file), file.name, "the run had diverged when it was saved")
+        except NonFiniteWeights as err:
+            problems.append(str(err))
     optimizers = sorted(path.glob("optimizer*.bin"))
     if not optimizers:
         problems.append("no optimizer state (optimizer.bin)")
@@ -200,8 +215,21 @@ class Checkpointer:
         self.last_saved_step: int | None = None
         # before any training: a run that cannot write its results fails now, not at its end
         check_writable_dir(self.output_dir, what="output_dir")
+        # what the run writes never replaces one of its inputs (a data file, the target, ...)
+        inputs = named_paths(*(v for key, value in config_to_dict(cfg).items()
+                               if key not in ("output_dir", "resume")
+                               for v in (value if isinstance(value, list) else [value])
+                               if isinstance(v, str)))
+        refuse_inputs([self.output_dir / name for name in (*_RESULTS, "checkpoints")], inputs,
+                      into=False)
         check_destination(self.output_dir / "artifact", kind="artifact",
                           overwrite=bool(cfg.overwrite))
+        saved = self.output_dir / "config.yaml"
+        if saved.exists() and read_saved_config(saved, type(cfg)) is None:
+            raise ValueError(
+                f"output_dir {self.output_dir} holds a config.yaml that draftsmith did not write "
+                f"(your own config?); the run writes its resolved config there, so it is never "
+                f"replaced, not even with --overwrite: move it, or give another --output_dir")
         existing = latest_checkpoint(self.root)
         if cfg.resume is None and existing is not None:
             raise ValueError(
@@ -210,12 +238,24 @@ class Checkpointer:
                 f"--output_dir")
         if existing is None and cfg.resume in (None, "latest"):
             results = [name for name in _RESULTS if (self.output_dir / name).exists()]
-            if results and not cfg.overwrite:
+            if results and not cfg.overwrite and not self._own_unfinished_start():
                 raise ValueError(
                     f"output_dir {self.output_dir} holds the results of an earlier run "
                     f"({', '.join(results)}) but no checkpoint to continue from; starting here "
                     f"would replace them. Give another --output_dir, or --overwrite true to "
                     f"replace them")
+
+    def _own_unfinished_start(self) -> bool:
+        """Whether output_dir holds only what this very run wrote before a first checkpoint (it
+        was stopped early): its config.yaml, with every training-relevant key as now, and
+        metrics, but no artifact. Starting again then replaces nothing of another run's."""
+        if (self.output_dir / "artifact").exists():
+            return False
+        saved = read_saved_config(self.output_dir / "config.yaml", type(self.cfg))
+        if saved is None:
+            return False
+        changed = config_diff(self.cfg, saved, ignore=may_change_on_resume(self.cfg))
+        return not [k for k in changed if not _names_same(saved.get(k), getattr(self.cfg, k))]
 
     def _fresh_state(self) -> TrainState:
         return TrainState(step=0, total_steps=self.plan.total_steps(self.cfg.max_steps,
@@ -253,7 +293,9 @@ class Checkpointer:
             raise ValueError(f"{path} was written by a trainer configured with "
                              f"{recorded.get('config_class')}, not {cls}: resume it with the "
                              f"trainer that wrote it")
-        changed = config_diff(self.cfg, recorded["config"], ignore=may_change_on_resume(self.cfg))
+        changed = [k for k in config_diff(self.cfg, recorded["config"],
+                                          ignore=may_change_on_resume(self.cfg))
+                   if not _names_same(recorded["config"].get(k), getattr(self.cfg, k, None))]
         if changed:
             mine = config_to_dict(self.cfg)
             detail = "; ".join(f"{k}: {recorded['config'].get(k)!r} in the checkpoint, "
@@ -384,6 +426,13 @@ class Checkpointer:
         if self.last_saved_step == state.step:
             return final
         accelerator = self.accelerator
+        for model in accelerator._models:  # a diverged run saves nothing it could resume into
+            check_finite(accelerator.unwrap_model(model).state_dict(),
+                         f"checkpoint step_{state.step} was not saved",
+                         "the training diverged: lower learning_rate (or set max_grad_norm) and "
+                         "continue from the last checkpoint"
+                         + (f" (step {self.last_saved_step}) with --resume latest"
+                            if self.last_saved_step else " (none was saved): start again"))
         tmp = self.root / f".{final.name}.tmp-save"
         if accelerator.is_main_process:
             stage_dir(final, kind=CHECKPOINT_KIND, name=tmp.name, marker={"step": state.step})
@@ -434,6 +483,17 @@ def _is_checkpoint(path: Path) -> bool:
         return False
     return (path / STATE_FILE).is_file() or \
         (read_marker(path) or {}).get("kind") == CHECKPOINT_KIND
+
+
+def _names_same(a, b) -> bool:
+    """Two config values equal up to how the files they name are spelled (``x.jsonl``,
+    ``./x.jsonl``, ``/abs/x.jsonl``: resolved here)."""
+    def named(value) -> list:
+        values = value if isinstance(value, list) else [value]
+        return [str(Path(v).expanduser().resolve())
+                if isinstance(v, str) and v and Path(v).expanduser().exists() else v
+                for v in values]
+    return named(a) == named(b)
 
 
 def _step_rows(budget: dict) -> tuple:

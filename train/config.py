@@ -19,19 +19,23 @@ key, the expected type and the value received. ``--help`` lists every key.
 
 Supported field types: ``int``, ``float``, ``bool``, ``str``, ``Literal[...]``, ``list[int]``,
 ``list[float]``, ``list[str]`` and ``Optional[...]`` of any of these. On the command line a list is
-comma-separated (``--layers 2,15,28``; an empty value is an empty list), a bool is one of
+comma-separated (``--layers 2,15,28``; an empty value is an empty list; a list of strings
+given as the name of an existing file is that one file, commas and all), a bool is one of
 true/false/yes/no/1/0 (a bare ``--flag`` means true) and ``none``/``null`` sets an Optional to None.
 
 Every trainer's dataclass subclasses :class:`TrainConfig`, which holds the keys they all share
 (target, data, optimisation, checkpoints, tracking, evaluation); dataclass inheritance keeps one
 default per key. Declare keys with :func:`option`, which also marks the keys that may change when a
-run is resumed (``may_change_on_resume=True``, e.g. how often to log); every other key is
-training-relevant and a resumed run refuses a checkpoint that used another value::
+run is resumed (``may_change_on_resume=True``, e.g. how often to log; every other key is
+training-relevant and a resumed run refuses a checkpoint that used another value), and the
+range of numbers a key accepts, checked when the config is built (at parse, before any target
+loads)::
 
     @dataclass
     class EagleConfig(TrainConfig):
         layers: list[int] = option([2, 15, 28], "target hidden states the head reads")
-        tree_nodes: int = option(60, "draft tree size at evaluation", may_change_on_resume=True)
+        tree_nodes: int = option(60, "draft tree size at evaluation", may_change_on_resume=True,
+                                 at_least=1)
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
 import yaml
+
+from heads.output_dir import write_atomic
 
 C = TypeVar("C")
 
@@ -88,14 +94,30 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
     return {f.name: _plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
 
 
+SAVED_HEADER = "# draftsmith: the resolved config of the run in this directory (train.config)\n"
+
+
 def save_config(cfg: Any, path: str | os.PathLike) -> Path:
-    """Write the config as YAML (readable back with ``--config``), atomically."""
+    """Write the config as YAML (readable back with ``--config``), atomically, under a header
+    line that :func:`read_saved_config` recognises."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-    os.replace(tmp, path)
-    return path
+    return write_atomic(path, SAVED_HEADER + yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+def read_saved_config(path: str | os.PathLike, cls: type) -> dict[str, Any] | None:
+    """The values of a config that :func:`save_config` wrote for ``cls`` (its header, or, from an
+    older draftsmith, exactly ``cls``'s keys); None for any other file (a user's own YAML)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        data = yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    if text.startswith(SAVED_HEADER) or set(data) == set(_dataclass_fields(cls)):
+        return data
+    return None
 
 
 def config_diff(a: Any, b: Any, ignore: Sequence[str] = ()) -> list[str]:
@@ -238,8 +260,10 @@ def _coerce(key: str, value: Any, hint: Any, source: str) -> Any:
         raise wrong(f"; choose one of {list(choices)}")
     if origin is list:
         (element,) = typing.get_args(inner) or (str,)
-        if isinstance(value, str):
-            items: list[Any] = [v.strip() for v in value.split(",")] if value.strip() else []
+        if isinstance(value, str) and element is str and Path(value).expanduser().exists():
+            items: list[Any] = [value]  # a file whose name holds a comma is one item
+        elif isinstance(value, str):
+            items = [v.strip() for v in value.split(",")] if value.strip() else []
         elif isinstance(value, (list, tuple)):
             items = list(value)
         else:
@@ -321,23 +345,96 @@ def _plain(value: Any) -> Any:
 # The keys every trainer shares
 
 _MAY_CHANGE = "may_change_on_resume"
+_RANGE = "range"
 
 
-def option(default: Any, help: str, *, may_change_on_resume: bool = False) -> Any:
-    """A config key: its one default, its help text, and whether a resumed run may change it.
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The numbers a key accepts: ``at_least`` / ``above`` a low end, ``at_most`` / ``below`` a high
+    end (None: no bound there), and ``why`` the high end is there."""
+
+    at_least: float | None = None
+    above: float | None = None
+    at_most: float | None = None
+    below: float | None = None
+    why: str = ""  # said when a value above the range is refused
+
+    def too_low(self, value: float) -> bool:
+        return ((self.at_least is not None and value < self.at_least)
+                or (self.above is not None and not value > self.above))
+
+    def too_high(self, value: float) -> bool:
+        return ((self.at_most is not None and value > self.at_most)
+                or (self.below is not None and not value < self.below))
+
+    def __str__(self) -> str:
+        low = [(op, v) for op, v in ((">=", self.at_least), (">", self.above)) if v is not None]
+        high = [(op, v) for op, v in (("<=", self.at_most), ("<", self.below)) if v is not None]
+        if low and high:  # an interval: [0, 1), (0, 1]
+            (lop, lv), (hop, hv) = low[0], high[0]
+            return (f"in {'[' if lop == '>=' else '('}{_number(lv)}, {_number(hv)}"
+                    f"{']' if hop == '<=' else ')'}")
+        return " and ".join(f"{op} {_number(v)}" for op, v in low + high)
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def option(default: Any, help: str, *, may_change_on_resume: bool = False,
+           at_least: float | None = None, above: float | None = None,
+           at_most: float | None = None, below: float | None = None, why: str = "") -> Any:
+    """A config key: its one default, its help text, whether a resumed run may change it, and the
+    range of numbers it accepts (checked with the type when the config is built: a value out of
+    range is refused at parse, before a target is loaded; :func:`check_ranges`).
 
     A list default is copied for every instance (``default_factory``).
     """
-    metadata = {"help": help, _MAY_CHANGE: may_change_on_resume}
+    metadata: dict[str, Any] = {"help": help, _MAY_CHANGE: may_change_on_resume}
+    if any(v is not None for v in (at_least, above, at_most, below)):
+        metadata[_RANGE] = Range(at_least, above, at_most, below, why)
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def check_ranges(cfg: Any) -> None:
+    """Every key declared with a range (:func:`option`) holds numbers within it (each element of
+    a list; None, where a key allows it, has no range); a ValueError naming the key otherwise."""
+    for f in dataclasses.fields(cfg):
+        bounds = f.metadata.get(_RANGE)
+        if bounds is None:
+            continue
+        value = getattr(cfg, f.name)
+        for v in value if isinstance(value, list) else [value]:
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"config key {f.name!r} expects a number, got {v!r} "
+                                 f"({type(v).__name__})")
+            if bounds.too_low(v) or bounds.too_high(v):
+                raise ValueError(f"config key {f.name!r} must be {bounds}, got {v}"
+                                 + (f" ({bounds.why})" if bounds.why and bounds.too_high(v)
+                                    else ""))
 
 
 def may_change_on_resume(cfg_or_cls: Any) -> list[str]:
     """Keys a resumed run may set differently from its checkpoint (the rest must match)."""
     cls = cfg_or_cls if isinstance(cfg_or_cls, type) else type(cfg_or_cls)
     return [name for name, f in _dataclass_fields(cls).items() if f.metadata.get(_MAY_CHANGE)]
+
+
+@dataclasses.dataclass
+class LoraKeys:
+    """LoRA adapters (peft): the keys of every recipe that trains through them (Medusa-2, a
+    distilled draft with ``lora: true``)."""
+
+    lora_r: int = option(16, "LoRA rank", at_least=1)
+    lora_alpha: float = option(32.0, "LoRA alpha (the update is scaled by alpha / r)", above=0)
+    lora_dropout: float = option(0.0, "dropout on the LoRA input", at_least=0, below=1)
+    lora_target_modules: list[str] = option(
+        ["all-linear"], "modules that get adapters: all-linear (every linear layer but the LM "
+        "head) or names such as q_proj,v_proj")
 
 
 @dataclasses.dataclass
@@ -349,57 +446,69 @@ class TrainConfig:
         "it by another path; its name, shapes and weights must stay those of the checkpoint)",
         may_change_on_resume=True)
     data: list[str] = option([], "training data: JSON/JSONL files or Hub dataset ids")
-    max_length: int = option(2048, "longest training sequence in tokens (longer ones are cut)")
+    max_length: int = option(2048, "longest training sequence in tokens (longer ones are cut)",
+                             at_least=2)
     output_dir: str = option(
         "runs/train", "run directory: checkpoints/, artifact/, metrics.jsonl, config.yaml, wandb/",
         may_change_on_resume=True)
     seed: int = option(0, "seed for initialisation, data order, dropout and noise")
     shuffle: bool = option(True, "shuffle the data every epoch (seeded by seed and epoch)")
 
-    learning_rate: float = option(3e-4, "peak learning rate (AdamW)")
-    weight_decay: float = option(0.0, "AdamW weight decay on matrices (not biases or norms)")
-    adam_beta1: float = option(0.9, "AdamW beta1")
-    adam_beta2: float = option(0.95, "AdamW beta2")
-    warmup_steps: int = option(50, "optimizer steps of linear warmup from 0 to learning_rate")
+    learning_rate: float = option(
+        3e-4, "peak learning rate (AdamW)", above=0, at_most=1,
+        why="AdamW moves every weight by about the learning rate at each step, so a rate above 1 "
+        "destroys the weights at once; drafts train at 1e-5 to 1e-3")
+    weight_decay: float = option(0.0, "AdamW weight decay on matrices (not biases or norms)",
+                                 at_least=0)
+    adam_beta1: float = option(0.9, "AdamW beta1", at_least=0, below=1,
+                               why="a moving-average coefficient; 1 never updates, torch refuses it")
+    adam_beta2: float = option(0.95, "AdamW beta2", at_least=0, below=1,
+                               why="a moving-average coefficient; 1 never updates, torch refuses it")
+    warmup_steps: int = option(50, "optimizer steps of linear warmup from 0 to learning_rate",
+                               at_least=0)
     lr_schedule: Literal["constant", "linear", "cosine"] = option(
         "cosine", "learning rate after warmup: constant, or a decay to min_lr_ratio at the end")
-    min_lr_ratio: float = option(0.1, "final learning rate as a fraction of learning_rate")
+    min_lr_ratio: float = option(0.1, "final learning rate as a fraction of learning_rate",
+                                 at_least=0, at_most=1)
     max_steps: int | None = option(
         1000, "optimizer steps to train (none: until num_epochs); the LR schedule spans them",
-        may_change_on_resume=True)
+        may_change_on_resume=True, at_least=1)
     num_epochs: int | None = option(
         None, "passes over the data (none: until max_steps); the first limit reached ends training",
-        may_change_on_resume=True)
+        may_change_on_resume=True, at_least=1)
     per_device_batch_size: int = option(
         8, "rows per process per micro-batch when max_tokens_per_batch is none (a resume may "
         "change it if the global batch, per_device_batch_size x processes x "
-        "gradient_accumulation_steps, stays the same)", may_change_on_resume=True)
+        "gradient_accumulation_steps, stays the same)", may_change_on_resume=True, at_least=1)
     max_tokens_per_batch: int | None = option(
         None, "token budget of a micro-batch, padding counted (rows x longest row): rows of "
         "similar length are grouped and each micro-batch filled up to it (none: fixed "
-        "per_device_batch_size rows, padded to the longest)")
+        "per_device_batch_size rows, padded to the longest)", at_least=2)
     gradient_accumulation_steps: int = option(
         1, "micro-batches per process per optimizer step (a resume may change it if processes x "
-        "gradient_accumulation_steps stays the same)", may_change_on_resume=True)
-    max_grad_norm: float = option(1.0, "clip the gradient norm to this (0: no clipping)")
+        "gradient_accumulation_steps stays the same)", may_change_on_resume=True, at_least=1)
+    max_grad_norm: float = option(1.0, "clip the gradient norm to this (0: no clipping)",
+                                  at_least=0)
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = option(
         "auto", "auto: bf16 autocast on GPU (fp16 where bf16 is unsupported) and on a CPU with "
         "native bf16 instructions (AVX-512 BF16, AMX), no (fp32) elsewhere")
     loss_chunk_size: int = option(
         256, "positions per chunk of the large-vocabulary losses: the extra memory of a loss is "
-        "about chunk x vocabulary x 4 bytes a few times, whatever the sequence length")
+        "about chunk x vocabulary x 4 bytes a few times, whatever the sequence length",
+        at_least=1)
     gradient_checkpointing: bool = option(
         False, "recompute the trained module's activations in the backward pass instead of "
         "keeping them (less memory, about a third more compute)", may_change_on_resume=True)
     dist_timeout_minutes: float = option(
         60.0, "how long a process waits for the others at a collective before the run fails "
-        "(NCCL's default is 10 minutes)", may_change_on_resume=True)
+        "(NCCL's default is 10 minutes)", may_change_on_resume=True, above=0)
 
     save_every: int = option(
         500, "save a resumable checkpoint every N optimizer steps (0: only at the end)",
-        may_change_on_resume=True)
+        may_change_on_resume=True, at_least=0)
     keep_checkpoints: int | None = option(
-        2, "keep the newest N checkpoints (none: keep all)", may_change_on_resume=True)
+        2, "keep the newest N checkpoints (none: keep all)", may_change_on_resume=True,
+        at_least=1)
     resume: str | None = option(
         None, "continue a run: 'latest' (the newest checkpoint in output_dir, or a fresh start "
         "when there is none), 'previous' (the one before the newest, when the newest is "
@@ -408,7 +517,8 @@ class TrainConfig:
         False, "start in an output_dir that holds the results (artifact, metrics.jsonl) of an "
         "earlier run without checkpoints, replacing them", may_change_on_resume=True)
 
-    log_every: int = option(10, "write metrics every N optimizer steps", may_change_on_resume=True)
+    log_every: int = option(10, "write metrics every N optimizer steps", may_change_on_resume=True,
+                            at_least=1)
     report_to: Literal["none", "wandb"] = option(
         "none", "also log to Weights & Biases (online when logged in, else offline; WANDB_MODE "
         "decides when set)",
@@ -419,47 +529,27 @@ class TrainConfig:
 
     eval_every: int = option(
         500, "measure acceptance (tau) every N optimizer steps and at the end (0: never)",
-        may_change_on_resume=True)
+        may_change_on_resume=True, at_least=0)
     eval_prompts: str = option(
         "data/eval/mt_bench_question.jsonl", "held-out prompts for the acceptance evaluation",
         may_change_on_resume=True)
     eval_num_prompts: int = option(8, "prompts per acceptance evaluation",
-                                   may_change_on_resume=True)
+                                   may_change_on_resume=True, at_least=1)
     eval_max_new_tokens: int = option(64, "tokens generated per evaluation prompt",
-                                      may_change_on_resume=True)
+                                      may_change_on_resume=True, at_least=1)
     eval_temperature: float = option(0.0, "sampling temperature of the evaluation (0: greedy)",
-                                     may_change_on_resume=True)
-    num_workers: int = option(0, "DataLoader worker processes", may_change_on_resume=True)
+                                     may_change_on_resume=True, at_least=0)
+    num_workers: int = option(0, "DataLoader worker processes", may_change_on_resume=True,
+                              at_least=0)
 
     def __post_init__(self) -> None:
         """Range checks that name the key. Subclasses with their own checks call this first."""
-        at_least = {
-            "max_length": 2, "per_device_batch_size": 1, "gradient_accumulation_steps": 1,
-            "warmup_steps": 0, "save_every": 0, "log_every": 1, "eval_every": 0,
-            "eval_num_prompts": 1, "eval_max_new_tokens": 1, "num_workers": 0,
-            "max_steps": 1, "num_epochs": 1, "keep_checkpoints": 1, "max_tokens_per_batch": 2, "loss_chunk_size": 1,
-        }
-        for key, low in at_least.items():
-            value = getattr(self, key)
-            if value is not None and value < low:
-                raise ValueError(f"config key {key!r} must be >= {low}, got {value}")
-        if not self.dist_timeout_minutes > 0:
-            raise ValueError(f"config key 'dist_timeout_minutes' must be > 0, got "
-                             f"{self.dist_timeout_minutes}")
         for f in dataclasses.fields(self):  # also when built directly, without parse_config
             value = getattr(self, f.name)
             values = value if isinstance(value, list) else [value]
             if any(isinstance(v, float) and not math.isfinite(v) for v in values):
                 raise ValueError(f"config key {f.name!r} must be a finite number, got {value}")
-        for key in ("learning_rate",):
-            if not getattr(self, key) > 0:
-                raise ValueError(f"config key {key!r} must be > 0, got {getattr(self, key)}")
-        for key in ("weight_decay", "max_grad_norm", "eval_temperature"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"config key {key!r} must be >= 0, got {getattr(self, key)}")
-        for key in ("min_lr_ratio", "adam_beta1", "adam_beta2"):
-            if not 0 <= getattr(self, key) <= 1:
-                raise ValueError(f"config key {key!r} must be in [0, 1], got {getattr(self, key)}")
+        check_ranges(self)
         if self.max_steps is None and self.num_epochs is None:
             raise ValueError("config keys 'max_steps' and 'num_epochs' are both none: set at least "
                              "one, so that training ends")

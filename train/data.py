@@ -52,6 +52,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -61,6 +62,7 @@ import torch
 from jinja2.exceptions import TemplateError
 
 from heads.file_formats import FileFormatError
+from heads.output_dir import write_dir
 from heads.target import cache_root
 
 ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
@@ -68,6 +70,7 @@ ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant"
 # Bump when the tokenisation below changes, so that old caches are not reused.
 CACHE_VERSION = "1"
 _REPORT_FILE = "report.json"
+_CACHE_KIND = "tokenised-data"  # the heads.output_dir marker kind of a cache directory
 
 
 class RowError(ValueError):
@@ -522,10 +525,28 @@ def load_sft_dataset(
     cache = Path(cache_dir or default_cache_dir()) / _cache_key(names, tokenizer, max_length)
     cache.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(cache.with_name(cache.name + ".lock")):
-        if not (cache / _REPORT_FILE).is_file():
-            _tokenize_into(cache, names, tokenizer, max_length, num_proc)
+        if cache.exists():
+            try:
+                return _read_cache(cache)
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                # derived data (a hash of the sources names it): rebuilt, never trusted damaged
+                print(f"[draftsmith] the tokenisation cache {cache} is damaged ({type(err).__name__}"
+                      f": {str(err)[:200]}); tokenising again", file=sys.stderr, flush=True)
+                shutil.rmtree(cache)
+        _tokenize_into(cache, names, tokenizer, max_length, num_proc)
+        return _read_cache(cache)
+
+
+def _read_cache(cache: Path) -> tuple[datasets.Dataset, DataReport]:
+    """The dataset and report a tokenisation wrote; any damage raises (the caller rebuilds)."""
     report = DataReport.from_dict(json.loads((cache / _REPORT_FILE).read_text()))
-    return datasets.load_from_disk(str(cache / "dataset")), report
+    dataset = datasets.load_from_disk(str(cache / "dataset"))
+    if len(dataset):  # the last row is read: a truncated arrow file fails here, not in training
+        dataset[len(dataset) - 1]
+    if len(dataset) != sum(source.used for source in report.sources.values()):
+        raise ValueError(f"{len(dataset)} rows, but its report counts "
+                         f"{sum(source.used for source in report.sources.values())}")
+    return dataset, report
 
 
 @contextlib.contextmanager
@@ -589,15 +610,16 @@ def _tokenize_into(cache: Path, names: list[str], tokenizer, max_length: int | N
         raise ValueError(f"no usable conversations in {names}:\n{report.summary()}")
     dataset = dataset.select(keep).remove_columns(["num_tokens", "assistant_tokens", "error"])
 
-    # Written beside the final directory and renamed, so a crash never leaves half a cache.
-    tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    dataset.save_to_disk(str(tmp / "dataset"))
-    (tmp / _REPORT_FILE).write_text(json.dumps(report.to_dict()))
     if cache.exists():  # a process on another machine (no shared lock) finished first: identical
-        shutil.rmtree(tmp)
-    else:
-        os.replace(tmp, cache)
+        return
+
+    def fill(tmp: Path) -> None:
+        dataset.save_to_disk(str(tmp / "dataset"))
+        (tmp / _REPORT_FILE).write_text(json.dumps(report.to_dict()))
+
+    # written beside the final directory and renamed: a crash never leaves half a cache, and what
+    # a killed tokenisation leaves beside it is removed by the next one (heads.output_dir)
+    write_dir(cache, fill, kind=_CACHE_KIND)
 
 
 def collate_causal_lm(rows: Sequence[Mapping], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -623,4 +645,4 @@ def collate_causal_lm(rows: Sequence[Mapping], pad_token_id: int) -> dict[str, t
 if __name__ == "__main__":
     from train.regenerate import main
 
-    main()
+    raise SystemExit(main())

@@ -68,22 +68,14 @@ from distill.draft import add_lora, fresh_draft, load_draft, merge_lora, save_dr
 from distill.losses import DIVERGENCES, argmax_agreement, divergence, tvd
 from eval.draft import DraftModelProposer
 from heads.chunked_loss import next_token_mask
+from heads.command_line import run_command, shell_command
 from heads.target import Target, is_hub_id, load_target
-from train.accelerator import make_accelerator
-from train.batches import make_batches, split_heldout
+from train.batches import make_batches, scored_tokens, split_heldout
 from train.checkpoints import TrainState
-from train.config import TrainConfig, option, parse_config
+from train.config import LoraKeys, TrainConfig, option, parse_config
 from train.data import collate_causal_lm, load_sft_dataset, read_conversations
-from train.estimate import (
-    LAYER_FACTOR,
-    MemoryModel,
-    Shape,
-    StepSizes,
-    check_fits,
-    loss_chunk_bytes,
-    optimizer_bytes,
-)
-from train.loop import Recipe, StepOutput, TrainResult
+from train.estimate import LAYER_FACTOR, MemoryModel, Shape, StepSizes
+from train.loop import Recipe, StepOutput, TrainResult, start_run
 from train.tracking import AcceptanceEval, PeriodicEval
 
 FRESH_PREFIX = "fresh:"
@@ -91,7 +83,7 @@ TRUNCATE_PREFIX = "truncate:"
 
 
 @dataclass
-class DistillConfig(TrainConfig):
+class DistillConfig(LoraKeys, TrainConfig):
     """Knowledge distillation of a draft LM from the frozen target (train/distill.py)."""
 
     draft: str = option(
@@ -120,12 +112,6 @@ class DistillConfig(TrainConfig):
 
     lora: bool = option(False, "train LoRA adapters (peft) instead of every weight; merged at "
                         "export")
-    lora_r: int = option(16, "LoRA rank")
-    lora_alpha: float = option(32.0, "LoRA alpha (the update is scaled by alpha / r)")
-    lora_dropout: float = option(0.0, "dropout on the LoRA input")
-    lora_target_modules: list[str] = option(
-        ["all-linear"], "modules that get adapters: all-linear (every linear layer but the LM "
-        "head) or names such as q_proj,v_proj")
 
     heldout_fraction: float = option(
         0.01, "fraction of the training rows held out (excluded from training) for the 1 - TVD "
@@ -183,13 +169,10 @@ class DistillConfig(TrainConfig):
         if not (math.isfinite(self.on_policy_temperature) and self.on_policy_temperature >= 0):
             raise ValueError(f"config key 'on_policy_temperature' must be >= 0, got "
                              f"{self.on_policy_temperature}")
-        if not 0.0 <= self.lora_dropout < 1.0:
-            raise ValueError(f"config key 'lora_dropout' must be in [0, 1), got "
-                             f"{self.lora_dropout}")
         if not self.lora_target_modules:
             raise ValueError("config key 'lora_target_modules' is empty: give all-linear or "
                              "module names such as q_proj,v_proj")
-        at_least = {"on_policy_max_new_tokens": 1, "lora_r": 1, "heldout_max_rows": 1,
+        at_least = {"on_policy_max_new_tokens": 1, "heldout_max_rows": 1,
                     "heldout_every": 0, "draft_depth": 1}
         for key, low in at_least.items():
             value = getattr(self, key)
@@ -570,7 +553,7 @@ def planned_sizes(rows: list[dict], cfg: DistillConfig) -> tuple[list[int], list
         may_sample = cfg.on_policy_ratio > 0 or not row["answered"]
         lengths.append(max(len(row["input_ids"]), sampled_length) if may_sample
                        else len(row["input_ids"]))
-        scored.append(int(sum(row["loss_mask"])))
+        scored.append(scored_tokens(row["loss_mask"]))
     return lengths, scored
 
 
@@ -600,11 +583,11 @@ def memory_parts(cfg, target: Shape, sizes: StepSizes) -> dict[str, float]:
     kept = (layer + layers * 2 * d.hidden * act) if cfg.gradient_checkpointing \
         else layers * layer
     parts[f"trained draft ({trained / 1e6:.0f} M parameters, AdamW)"] = \
-        optimizer_bytes(trained, sizes.processes)
+        sizes.optimizer(trained)
     parts[f"draft activations ({layers} layers)"] = kept * n
     parts["target forward"] = sizes.target_forward
     parts[f"loss chunk ({min(cfg.loss_chunk_size, n)} x {target.vocab})"] = \
-        loss_chunk_bytes(cfg, n, target.vocab)
+        sizes.loss_chunk(cfg, target.vocab)
     return parts
 
 
@@ -615,8 +598,7 @@ MEMORY = MemoryModel(memory_parts, shrink_keys=(
 
 def build(cfg: DistillConfig) -> Recipe:
     """The run, ready to train: target, rows, the draft, its loss, evaluation and export."""
-    accelerator = make_accelerator(cfg)  # first: seeds before any weights
-    check_fits(cfg, accelerator, MEMORY)  # before minutes of loading
+    accelerator = start_run(cfg, MEMORY)  # seeds first, then the memory check
     target = load_target(cfg.target, device=accelerator.device)  # frozen; never prepared
     pad_id = target.tokenizer.pad_token_id
     pad_id = target.eos_token_ids[0] if pad_id is None else pad_id
@@ -693,9 +675,10 @@ def export(cfg: DistillConfig, accelerator, target: Target, result: TrainResult)
                                   "on_policy_ratio": cfg.on_policy_ratio, "lora": cfg.lora,
                                   "steps": result.state.step})
         module = plain
-        accelerator.print(f"[draftsmith] draft written to {artifact}; measure it with "
-                          f"python -m eval.bench --target {cfg.target} --method plain "
-                          f"--method draft:{artifact} --prompts {cfg.eval_prompts}")
+        measure = shell_command("python", "-m", "eval.bench", "--target", cfg.target, "--method",
+                                "plain", "--method", f"draft:{artifact}", "--prompts",
+                                cfg.eval_prompts)
+        accelerator.print(f"[draftsmith] draft written to {artifact}; measure it with {measure}")
     accelerator.wait_for_everyone()
     result.metrics.close()
     accelerator.end_training()
@@ -710,4 +693,4 @@ def main(cfg: DistillConfig) -> dict:
 
 
 if __name__ == "__main__":
-    main(parse_config(DistillConfig))
+    raise SystemExit(run_command(lambda: main(parse_config(DistillConfig)), "train/distill.py"))

@@ -59,6 +59,7 @@ import torch
 from eval.eagle import DEFAULT_DEPTH, DEFAULT_TOPK, DEFAULT_TREE_NODES, EagleProposer
 from heads import draft_vocab
 from heads.artifact import save_artifact
+from heads.command_line import run_command, shell_command
 from heads.eagle import (
     DEFAULT_CE_WEIGHT,
     DEFAULT_STEP_DECAY,
@@ -68,7 +69,6 @@ from heads.eagle import (
 )
 from heads.eagle_loss import EagleLoss, target_features
 from heads.target import Target, load_target, load_target_parts
-from train.accelerator import make_accelerator
 from train.batches import make_batches, row_sizes
 from train.config import TrainConfig, option, parse_config
 from train.data import collate_causal_lm, load_sft_dataset
@@ -78,16 +78,8 @@ from train.eagle_features import (
     collate_features,
     write_feature_cache,
 )
-from train.estimate import (
-    EAGLE_FACTOR,
-    MemoryModel,
-    Shape,
-    StepSizes,
-    check_fits,
-    loss_chunk_bytes,
-    optimizer_bytes,
-)
-from train.loop import Recipe, StepOutput, TrainResult
+from train.estimate import EAGLE_FACTOR, MemoryModel, Shape, StepSizes
+from train.loop import Recipe, StepOutput, TrainResult, start_run
 from train.tracking import AcceptanceEval
 
 
@@ -218,12 +210,12 @@ def memory_parts(cfg, target: Shape, sizes: StepSizes) -> dict[str, float]:
         kept = steps * per_step
     features = (4 if version == 3 else 2) * h * act  # the hidden states the head reads
     parts[f"trained head ({trained / 1e6:.0f} M parameters, AdamW)"] = \
-        optimizer_bytes(trained, sizes.processes)
+        sizes.optimizer(trained)
     parts[f"head activations ({steps} test-time step{'s' if steps > 1 else ''})"] = \
         kept * n
     parts["target forward and features"] = sizes.target_forward + features * n
     parts[f"loss chunk ({min(cfg.loss_chunk_size, n)} x {draft_vocab})"] = \
-        loss_chunk_bytes(cfg, n, draft_vocab)
+        sizes.loss_chunk(cfg, draft_vocab)
     return parts
 
 
@@ -234,8 +226,7 @@ MEMORY = MemoryModel(memory_parts, shrink_keys=(
 
 def build(cfg: EagleTrainConfig) -> Recipe:
     """The run, ready to train: target, data, head, loss, evaluation and export."""
-    accelerator = make_accelerator(cfg)  # first: seeds before any weights
-    check_fits(cfg, accelerator, MEMORY)  # before minutes of loading
+    accelerator = start_run(cfg, MEMORY)  # seeds first, then the memory check
     cache_dir = Path(cfg.feature_cache_dir or Path(cfg.output_dir) / "features")
     if cfg.feature_mode == "offline" and not cfg.eval_every and cache_is_complete(cache_dir):
         # training from a finished cache reads the embedding, final norm and LM head only
@@ -323,12 +314,15 @@ def export(cfg: EagleTrainConfig, accelerator, target: Target, config: EagleConf
         artifact = save_artifact(Path(cfg.output_dir) / "artifact", config.method,
                                  config.to_dict(), state_dict, target.identity(),
                                  overwrite=cfg.overwrite)
+        export_command = shell_command("python", "-m", "heads.export", artifact, "--format", "vllm",
+                                       "--out", Path(cfg.output_dir) / "vllm")
+        measure = shell_command("python", "-m", "eval.bench", "--target", cfg.target, "--method",
+                                "hf", "--method", f"eagle:{artifact}", "--prompts",
+                                cfg.eval_prompts, "--num-prompts", "8")
         accelerator.print(
             f"[draftsmith] {config.method} head written to {artifact}\n"
-            f"  export:  python -m heads.export {artifact} --format vllm --out "
-            f"{Path(cfg.output_dir) / 'vllm'}   (or sglang, speculators)\n"
-            f"  measure: python -m eval.bench --target {cfg.target} --method hf "
-            f"--method eagle:{artifact} --prompts {cfg.eval_prompts} --num-prompts 8")
+            f"  export:  {export_command}   (or sglang, speculators)\n"
+            f"  measure: {measure}")
     accelerator.wait_for_everyone()
     result.metrics.close()
     accelerator.end_training()
@@ -344,4 +338,4 @@ def main(cfg: EagleTrainConfig) -> dict:
 
 
 if __name__ == "__main__":
-    main(parse_config(EagleTrainConfig))
+    raise SystemExit(run_command(lambda: main(parse_config(EagleTrainConfig)), "train/eagle.py"))

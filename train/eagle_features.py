@@ -59,6 +59,7 @@ import shutil
 import struct
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -84,11 +85,27 @@ _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat1
 _OPEN_FILES = 64  # memory maps a reader keeps open at once
 
 
+@dataclass(frozen=True)
+class FeatureSpec:
+    """What a cache stores, for a draft that is not an EAGLE head (a block draft): the
+    hidden-state indices concatenated as ``features`` (``aux_layer_ids``) and, with ``version``
+    3, the last hidden state at the scored positions. An :class:`EagleConfig` is one already."""
+
+    aux_layer_ids: tuple[int, ...]
+    target_hidden_size: int
+    target_num_layers: int
+    version: int = 3
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return (*self.aux_layer_ids, self.target_num_layers)
+
+
 def _width(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def row_bytes(config: EagleConfig, dtype: torch.dtype, tokens: int, scored: int) -> int:
+def row_bytes(config: EagleConfig | FeatureSpec, dtype: torch.dtype, tokens: int, scored: int) -> int:
     """Disk bytes of one cached row of ``tokens`` tokens, ``scored`` of them scored positions."""
     width = _width(dtype)
     features = len(config.aux_layer_ids) * config.target_hidden_size * width
@@ -115,7 +132,7 @@ def _target_record(target: Target) -> dict:
     return {k: v for k, v in target.identity().items() if k not in ("path", "hub_id")}
 
 
-def _plan(dataset, config: EagleConfig, dtype: torch.dtype, max_file_bytes: int
+def _plan(dataset, config: EagleConfig | FeatureSpec, dtype: torch.dtype, max_file_bytes: int
           ) -> tuple[dict, list[int]]:
     """(files and totals, row lengths): consecutive rows packed into files of at most
     ``max_file_bytes`` (a longer row gets a file of its own), and the data's fingerprint."""
@@ -151,7 +168,7 @@ def _plan(dataset, config: EagleConfig, dtype: torch.dtype, max_file_bytes: int
     return plan, lengths
 
 
-def _key(target: Target, config: EagleConfig, dtype: torch.dtype, max_file_bytes: int) -> dict:
+def _key(target: Target, config: EagleConfig | FeatureSpec, dtype: torch.dtype, max_file_bytes: int) -> dict:
     """What a cache is written for; a cache is reused only when all of it agrees."""
     return {
         "format": FORMAT,
@@ -258,7 +275,7 @@ def write_feature_cache(
     target: Target,
     dataset: Sequence[Mapping],
     cache_dir: str | os.PathLike,
-    config: EagleConfig,
+    config: EagleConfig | FeatureSpec,
     *,
     process_index: int = 0,
     num_processes: int = 1,
@@ -325,7 +342,7 @@ def write_feature_cache(
     return directory
 
 
-def _layout(config: EagleConfig, dtype: torch.dtype, entry: dict
+def _layout(config: EagleConfig | FeatureSpec, dtype: torch.dtype, entry: dict
             ) -> tuple[bytes, dict[str, int], int]:
     """(the safetensors header, each tensor's first byte in the file, the file size) of a file.
 
@@ -354,7 +371,7 @@ def _layout(config: EagleConfig, dtype: torch.dtype, entry: dict
             start + offset)
 
 
-def _write_file(target: Target, dataset, directory: Path, config: EagleConfig,
+def _write_file(target: Target, dataset, directory: Path, config: EagleConfig | FeatureSpec,
                 dtype: torch.dtype, entry: dict, batch_size: int, bar) -> None:
     """One file, streamed to a temporary name batch by batch, then renamed (atomic)."""
     header, begins, size = _layout(config, dtype, entry)
@@ -417,7 +434,7 @@ class FeatureCache(Dataset):
     at most 64 at once, so each DataLoader worker (``num_workers``, which prefetch) maps its own.
     """
 
-    def __init__(self, directory: str | os.PathLike, config: EagleConfig,
+    def __init__(self, directory: str | os.PathLike, config: EagleConfig | FeatureSpec,
                  target: Target | None = None):
         self.directory = Path(directory)
         if not (self.directory / INDEX).is_file():

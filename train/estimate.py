@@ -146,6 +146,14 @@ class StepSizes:
     target_forward: float  # bytes of the frozen target's no-grad forward over the micro-batch
     draft: Shape | None = None  # a separate draft model's shape (distillation from a directory)
 
+    def optimizer(self, params: int) -> float:
+        """Bytes of ``params`` trained parameters with AdamW (:func:`optimizer_bytes`)."""
+        return optimizer_bytes(params, self.processes)
+
+    def loss_chunk(self, cfg, vocab: int) -> float:
+        """Bytes of one loss chunk over ``vocab`` (:func:`loss_chunk_bytes`)."""
+        return loss_chunk_bytes(cfg, self.tokens, vocab)
+
 
 def loss_chunk_bytes(cfg, tokens: int, vocab: int) -> float:
     """One chunk of the large-vocabulary loss (``loss_chunk_size`` x vocabulary, a few copies)."""

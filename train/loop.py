@@ -4,7 +4,7 @@ A trainer (train/eagle.py, train/medusa.py, train/distill.py) builds its config,
 trainable module and step function into a :class:`Recipe` (``build(cfg)``), which runs them with
 :func:`run_training`::
 
-    accelerator = make_accelerator(cfg)                     # first: seeds before any weights
+    accelerator = start_run(cfg, MEMORY)   # seeds before any weights, then the memory check
     target = load_target(cfg.target, device=accelerator.device)   # frozen; never prepared
     batches = make_batches(dataset, cfg, accelerator, collate, lengths=..., weights=...)
     model = EagleLoss(head, ...)                            # the trainable module
@@ -37,9 +37,10 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from train.accelerator import refuse_sharded
+from train.accelerator import make_accelerator, refuse_sharded
 from train.batches import TrainBatches, loss_scale, padded_tokens
 from train.checkpoints import Checkpointer, TrainState
+from train.estimate import MemoryModel, check_fits
 from train.optimizer import apply_learning_rate, make_optimizer
 from train.signals import GracefulStop
 from train.tracking import MetricsLogger, PeriodicEval, peak_memory_gb
@@ -92,6 +93,14 @@ class Recipe:
                             step=self.step, target_identity=self.target.identity(),
                             evaluators=self.evaluators, first_record=self.first_record,
                             on_resume=self.on_resume, stop=stop)
+
+
+def start_run(cfg, memory: MemoryModel) -> Accelerator:
+    """The first step of every trainer's ``build``: the accelerator (it seeds, before any weight
+    exists), then the memory check (before minutes of loading the target)."""
+    accelerator = make_accelerator(cfg)
+    check_fits(cfg, accelerator, memory)
+    return accelerator
 
 
 class NonFiniteLoss(ValueError):

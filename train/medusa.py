@@ -82,7 +82,8 @@ from torch import nn
 from distill.draft import add_lora, merge_lora
 from eval.medusa import MedusaProposer
 from eval.tree_auto import size_medusa_tree
-from heads.artifact import FORMAT_VERSION
+from heads.artifact import FORMAT_VERSION, check_finite
+from heads.command_line import run_command, shell_command
 from heads.draft_vocab import check_same_vocabulary, draft_vocabulary
 from heads.medusa import (
     ADAPTED_TARGET_INFO_KEY,
@@ -101,21 +102,12 @@ from heads.medusa_loss import (
 from heads.medusa_tree import choose_tree, default_chain, expected_tau
 from heads.output_dir import write_dir
 from heads.target import Target, load_target, wrap_target
-from train.accelerator import make_accelerator
 from train.batches import make_batches, row_sizes, split_heldout
 from train.checkpoints import TrainState
-from train.config import TrainConfig, option, parse_config
+from train.config import LoraKeys, TrainConfig, option, parse_config
 from train.data import collate_causal_lm, load_sft_dataset
-from train.estimate import (
-    LAYER_FACTOR,
-    MemoryModel,
-    Shape,
-    StepSizes,
-    check_fits,
-    loss_chunk_bytes,
-    optimizer_bytes,
-)
-from train.loop import Recipe, StepOutput, TrainResult
+from train.estimate import LAYER_FACTOR, MemoryModel, Shape, StepSizes
+from train.loop import Recipe, StepOutput, TrainResult, start_run
 from train.regenerate import merge_shards, regenerate
 from train.tracking import AcceptanceEval, PeriodicEval
 
@@ -125,7 +117,7 @@ _NOT_ADAPTABLE = ("lm_head", "embed_tokens")
 
 
 @dataclass
-class MedusaTrainConfig(TrainConfig):
+class MedusaTrainConfig(LoraKeys, TrainConfig):
     """Train Medusa heads on a frozen target (Medusa-1) or with LoRA on it (Medusa-2)."""
 
     num_heads: int = option(4, "K, the number of Medusa heads: head k guesses token t+1+k")
@@ -165,12 +157,6 @@ class MedusaTrainConfig(TrainConfig):
         1.0, "Medusa-2: weight of KL(original || adapted) on the next-token distributions")
     lm_loss_weight: float = option(
         0.0, "Medusa-2: weight of the adapted target's cross-entropy on the data's tokens")
-    lora_r: int = option(16, "Medusa-2: LoRA rank")
-    lora_alpha: float = option(32.0, "Medusa-2: LoRA alpha (the update is scaled by alpha / r)")
-    lora_dropout: float = option(0.0, "Medusa-2: dropout on the LoRA input")
-    lora_target_modules: list[str] = option(
-        ["all-linear"], "Medusa-2: modules that get adapters: all-linear (every linear layer but "
-        "the LM head) or names such as q_proj,v_proj")
 
     heldout_fraction: float = option(
         0.02, "fraction of the data's rows held out (never trained on) for the heads' per-rank "
@@ -196,7 +182,7 @@ class MedusaTrainConfig(TrainConfig):
             raise ValueError(f"config key 'num_heads' (K, the number of Medusa heads) must be "
                              f">= 1, got {self.num_heads}")
         at_least = {"num_layers": 0, "draft_vocab_size": 1, "regenerate_max_new_tokens": 1,
-                    "regenerate_max_prompts": 1, "regenerate_batch_size": 1, "lora_r": 1,
+                    "regenerate_max_prompts": 1, "regenerate_batch_size": 1,
                     "heldout_max_rows": 1, "heldout_every": 0, "tree_topk": 1,
                     "eval_tree_nodes": 1}
         for key, low in at_least.items():
@@ -211,9 +197,6 @@ class MedusaTrainConfig(TrainConfig):
         for key in ("kl_weight", "lm_loss_weight", "regenerate_temperature"):
             if getattr(self, key) < 0:
                 raise ValueError(f"config key {key!r} must be >= 0, got {getattr(self, key)}")
-        if not 0.0 <= self.lora_dropout < 1.0:
-            raise ValueError(f"config key 'lora_dropout' must be in [0, 1), got "
-                             f"{self.lora_dropout}")
         if not 0.0 <= self.heldout_fraction < 1.0:
             raise ValueError(f"config key 'heldout_fraction' must be in [0, 1), got "
                              f"{self.heldout_fraction}")
@@ -443,6 +426,7 @@ def write_artifact(out_dir: Path, heads: MedusaHeads, target: Target, tree, tree
     """Heads (+ the adapted target in ``target/`` for Medusa-2), written atomically."""
     extra = dict(extra)
     if adapted is not None:
+        check_finite(adapted.state_dict(), f"the Medusa-2 artifact {out_dir} was not written")
         digest = parameters_digest(adapted)
         extra["adapted_target"] = {"path": "target", "digest": digest}
         extra["base_model"] = str((out_dir / "target").resolve())
@@ -499,11 +483,11 @@ def memory_parts(cfg, target: Shape, sizes: StepSizes) -> dict[str, float]:
             else target.layers * layer
         trained += target.layers * cfg.lora_r * 4 * (h + target.intermediate)  # LoRA, roughly
     parts[f"trained heads ({trained / 1e6:.0f} M parameters, AdamW)"] = \
-        optimizer_bytes(trained, sizes.processes)
+        sizes.optimizer(trained)
     parts[f"activations ({k} heads{', adapted target' if cfg.medusa2 else ''})"] = kept * n
     parts["target forward"] = (0 if cfg.medusa2 else sizes.target_forward) + h * act * n
     parts[f"loss chunk ({min(cfg.loss_chunk_size, n)} x {vocab})"] = \
-        loss_chunk_bytes(cfg, n, vocab)
+        sizes.loss_chunk(cfg, vocab)
     return parts
 
 
@@ -514,8 +498,7 @@ MEMORY = MemoryModel(memory_parts, shrink_keys=(
 
 def build(cfg: MedusaTrainConfig) -> Recipe:
     """The run, ready to train: target, data, heads (+ the LoRA copy), evaluation and export."""
-    accelerator = make_accelerator(cfg)  # first: seeds before any weights
-    check_fits(cfg, accelerator, MEMORY)  # before minutes of loading
+    accelerator = start_run(cfg, MEMORY)  # seeds first, then the memory check
     target = load_target(cfg.target, device=accelerator.device)  # frozen; never prepared
     pad_id = target.tokenizer.pad_token_id
     pad_id = target.eos_token_ids[0] if pad_id is None else pad_id
@@ -630,19 +613,21 @@ def export(cfg: MedusaTrainConfig, accelerator, target: Target, heldout: HeldOut
         metrics.log(record)
         if accelerator.is_main_process:
             bench_target = artifact / "target" if cfg.medusa2 else cfg.target
+            fmt = "vllm-0.32" if cfg.draft_vocab_size is not None else "trtllm"
+            export_command = shell_command("python", "-m", "heads.export", artifact, "--format",
+                                           fmt, "--out", Path(cfg.output_dir) / fmt)
+            measure = shell_command("python", "-m", "eval.bench", "--target", bench_target,
+                                    "--method", "plain", "--method", f"medusa:{artifact}",
+                                    "--prompts", cfg.eval_prompts)
             accelerator.print(
                 f"[draftsmith] Medusa heads written to {artifact} with a {len(tree)}-node tree: "
                 f"expected tau {_fmt(record['final/expected_tau'])}, measured "
                 f"{_fmt(record.get('final/tau'))}\n"
-                f"  measure: python -m eval.bench --target {bench_target} --method plain "
-                f"--method medusa:{artifact} --prompts {cfg.eval_prompts}\n"
-                + (f"  export:  python -m heads.export {artifact} --format vllm-0.32 --out "
-                   f"{Path(cfg.output_dir) / 'vllm-0.32'}   (a draft vocabulary: TensorRT-LLM "
-                   f"and FasterDecoding need draft_vocab_size: null)"
-                   if cfg.draft_vocab_size is not None else
-                   f"  export:  python -m heads.export {artifact} --format trtllm --out "
-                   f"{Path(cfg.output_dir) / 'trtllm'}   (or fasterdecoding --write-pt, "
-                   f"vllm-0.32)"))
+                f"  measure: {measure}\n"
+                f"  export:  {export_command}   "
+                + ("(a draft vocabulary: TensorRT-LLM and FasterDecoding need draft_vocab_size: "
+                   "null)" if cfg.draft_vocab_size is not None else
+                   "(or fasterdecoding --write-pt, vllm-0.32)"))
             if cfg.medusa2:
                 accelerator.print(
                     f"  Medusa-2: the heads are verified against the adapted target in "
@@ -667,4 +652,4 @@ def _fmt(value) -> str:
 
 
 if __name__ == "__main__":
-    main(parse_config(MedusaTrainConfig))
+    raise SystemExit(run_command(lambda: main(parse_config(MedusaTrainConfig)), "train/medusa.py"))

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from train import distill, eagle, medusa
+from train import dflash, distill, eagle, medusa
 from train.estimate import MemoryModel
 
 
@@ -34,6 +34,8 @@ TRAINERS: dict[str, Trainer] = {
                      eagle.MEMORY),
     "medusa": Trainer("medusa", "medusa", medusa.MedusaTrainConfig, medusa.build, medusa.main,
                       medusa.MEMORY),
+    "dflash": Trainer("dflash", "dflash", dflash.DFlashTrainConfig, dflash.build, dflash.main,
+                      dflash.MEMORY),
     "distill": Trainer("distill", "draft", distill.DistillConfig, distill.build, distill.main,
                        distill.MEMORY),
 }

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from heads.command_line import run_command
+from heads.output_dir import named_paths, refuse_inputs, write_atomic
 from heads.target import Target
 from train.data import (
     DataReport,
@@ -153,10 +155,21 @@ def _prepare(conversation: _Conversation, backend, limit: int, max_new_tokens: i
     return "done"
 
 
-def _records(path: Path) -> Iterable[tuple[int, str, dict]]:
-    """(line number, line, record) of every complete line of a regenerate file."""
-    data = path.read_bytes()
-    for lineno, line in enumerate(data[: data.rfind(b"\n") + 1].decode("utf-8").split("\n"), 1):
+# what every line _Writer writes starts with (json.dumps of a record, "messages" first)
+_ROW_START = b'{"messages": '
+
+
+def _records(path: Path, data: bytes | None = None) -> Iterable[tuple[int, str, dict]]:
+    """(line number, line, record) of every complete line of a regenerate file (``data``: its
+    bytes, when already read); a line that is not a row regenerate wrote is a ValueError naming
+    the file and the line."""
+    data = path.read_bytes() if data is None else data
+    try:
+        text = data[: data.rfind(b"\n") + 1].decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not a file regenerate wrote (byte {err.start} is not UTF-8 "
+                         f"text); give another --out file") from None
+    for lineno, line in enumerate(text.split("\n"), 1):
         if not line:
             continue
         try:
@@ -174,13 +187,18 @@ def _answered(path: Path, prompts: list[Prompt], shard: tuple[int, int]) -> set[
     """Prompt indices already answered in ``path``; a half-written last line is cut off."""
     if not path.exists():
         return set()
-    size = path.stat().st_size
-    complete = path.read_bytes().rfind(b"\n") + 1
-    if complete < size:  # killed in the middle of a line
+    data = path.read_bytes()
+    records = list(_records(path, data))  # a file regenerate did not write is refused untouched
+    complete = data.rfind(b"\n") + 1
+    tail = data[complete:]
+    if tail and not (tail.startswith(_ROW_START) or _ROW_START.startswith(tail)):
+        raise ValueError(f"{path}: its last line is not a row regenerate wrote; give another "
+                         f"--out file")
+    if tail:  # killed in the middle of writing a row: that row is answered again
         with open(path, "r+b") as f:
             f.truncate(complete)
     done = set()
-    for lineno, _, record in _records(path):
+    for lineno, _, record in records:
         index = record["prompt_index"]
         given = [m for m in record["messages"] if m.get("role") != "assistant"]
         turns = record.get("turns", 1)
@@ -279,6 +297,10 @@ def regenerate(
             print(report.summary(), flush=True)
     prompts = prompts[:max_prompts]
     out = Path(out_path) if count == 1 else shard_path(out_path, index, count)
+    if not _is_prompt_list(prompts_or_files):  # the answers never go into the prompts' file
+        sources = [prompts_or_files] if isinstance(prompts_or_files, (str, os.PathLike)) \
+            else list(prompts_or_files)
+        refuse_inputs([out], named_paths(*sources))
     out.parent.mkdir(parents=True, exist_ok=True)
     done = _answered(out, prompts, (index, count))
     todo = [_Conversation(i, prompts[i][:max_turns]) for i in range(index, len(prompts), count)
@@ -442,12 +464,7 @@ def merge_shards(out_path: str | os.PathLike, num_shards: int | None = None, *,
             if lines.get(record["prompt_index"]) != line:
                 raise ValueError(f"{out} exists and line {lineno} is not in the shards: merging "
                                  f"would lose it; give another output file")
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(lines[i] + "\n" for i in sorted(lines))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
+    write_atomic(out, "".join(lines[i] + "\n" for i in sorted(lines)))
     return len(lines)
 
 
@@ -465,7 +482,9 @@ def _launcher_shard() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m train.data regenerate|inspect|merge``; a user's mistake (a ValueError or
+    FileNotFoundError) is one line on stderr and exit status 2."""
     parser = argparse.ArgumentParser(prog="python -m train.data",
                                      description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -531,7 +550,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     merge_parser.add_argument("--partial", action="store_true",
                               help="merge shards that have not finished too")
     args = parser.parse_args(argv)
+    return run_command(lambda: _run(args, parser), "python -m train.data")
 
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.command == "merge":
         rows = merge_shards(args.out, args.shards, partial=args.partial)
         print(f"merged {rows} conversations into {args.out}")
@@ -590,4 +612,4 @@ def _openai_backend(args, parser) -> OpenAIBackend:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

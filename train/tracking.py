@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import resource
 import sys
 import time
@@ -37,6 +36,7 @@ from eval.prompts import read_prompts
 from eval.proposers import Proposer
 from eval.report import announce_wandb_run, wandb_mode
 from eval.sampling import SamplingParams
+from heads.output_dir import write_atomic
 from train.checkpoints import TrainState
 from train.config import config_to_dict
 
@@ -67,9 +67,7 @@ def rewind_jsonl(path: Path, step: int) -> None:
         if isinstance(record, dict) and isinstance(record.get("step"), int) \
                 and record["step"] <= step:
             kept.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, "".join(line + "\n" for line in kept))
 
 
 class MetricsLogger:
@@ -98,7 +96,9 @@ class MetricsLogger:
         self._file = None
         if self.is_main:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            rewind_jsonl(self.path, state.step)
+            # a resumed run keeps what was logged up to its checkpoint; a run starting at step 0
+            # (a fresh start over its own stopped attempt) keeps nothing, so step 0 is not doubled
+            rewind_jsonl(self.path, state.step if state.step > 0 else -1)
             self._file = open(self.path, "a", encoding="utf-8")
         if cfg.report_to == "wandb":  # W&B's convention: online when logged in, else offline
             output_dir = Path(cfg.output_dir).resolve()

@@ -1,0 +1,189 @@
+"""Block drafts in the evaluator: one draft forward per round proposes a whole chain.
+
+``--method dflash:<artifact>`` / ``--method dspark:<artifact>``: :class:`BlockProposer`. The
+draft keeps each layer's keys and values of every committed position (the target's hidden
+states there, fused: :meth:`heads.dflash.DFlashDraft.context`), one entry per position the target
+has processed, so between rounds it equals a fresh computation over the accepted sequence. A
+round runs the block ``[anchor, MASK, ...]`` (the anchor is the sequence's last token, which the
+target has not processed) once and reads its predictions:
+
+* DFlash: slots 1..n, each position's own distribution (they do not depend on one another);
+* DSpark: slots 0..n-1 left to right, each slot's logits plus the Markov term of the token drawn
+  at the slot before (the anchor for the first), stopping at the first slot whose confidence is
+  below ``min_confidence`` (a function of the draft alone, so exactness is untouched).
+
+At temperature 0 the chain is the argmax tokens (verified greedily); above it, each token is
+sampled from exactly the (warped) distribution its position gives, which the chain carries, so
+the engine tests it with min(1, target / draft) against that distribution and samples the
+residual on a rejection. ``block_size`` caps the tokens per round (the block the draft runs is
+always the one it was trained with), ``--tree auto`` picks that count by expected tokens per
+second on this machine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eval.block_auto import auto_block_length
+from eval.proposers import Proposer
+from eval.runners import (
+    ARTIFACT_FIXED_OPTIONS,
+    TREE_AUTO,
+    BuildContext,
+    EngineMethod,
+    OptionFlag,
+    int_at_least,
+    parse_probability,
+)
+from eval.sampling import warp
+from eval.tree import DraftTree
+from heads.dflash import DFlashDraft
+from layouts.dflash import SPEC_TYPES, export_block, load_block_draft
+
+
+class BlockProposer(Proposer):
+    """Chains from a DFlash or DSpark draft; see the module docstring."""
+
+    def __init__(self, draft: DFlashDraft, *, block_size: int | None = None,
+                 min_confidence: float = 0.0, name: str = "dflash"):
+        cfg = draft.config
+        most = cfg.drafts_per_block
+        if block_size is not None and (isinstance(block_size, bool) or not isinstance(
+                block_size, int) or block_size < 1):
+            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        if block_size is not None and block_size > most:
+            print(f"[dflash] {name}: block_size {block_size} is more than the {most} tokens a "
+                  f"block of this draft predicts (it was trained with blocks of "
+                  f"{cfg.block_size}); using {most}", flush=True)
+        if not 0.0 <= min_confidence <= 1.0:
+            raise ValueError(f"min_confidence must be in [0, 1], got {min_confidence}")
+        if min_confidence and not cfg.confidence_head:
+            raise ValueError(f"min_confidence needs a confidence head, and this {cfg.method} "
+                             "draft has none")
+        self.draft, self.name = draft, name
+        self.tokens_per_round = most if block_size is None else min(block_size, most)
+        self.min_confidence = min_confidence
+        self.hidden_layers = cfg.hidden_states_read
+
+    @classmethod
+    def from_artifact(cls, path, target, *, dtype: torch.dtype | None = None,
+                      method: str | None = None, block_size: int | None = None,
+                      min_confidence: float = 0.0, name: str = "dflash",
+                      allow_other_weights: bool = False) -> BlockProposer:
+        draft = load_block_draft(path, target, dtype=dtype, method=method,
+                                 allow_other_weights=allow_other_weights)
+        return cls(draft, block_size=block_size, min_confidence=min_confidence, name=name)
+
+    def _features(self, hidden) -> torch.Tensor:
+        return torch.cat(list(hidden), dim=-1)  # (1, n, L * H)
+
+    @torch.no_grad()
+    def start(self, prompt_ids, hidden, params, generator) -> None:
+        super().start(prompt_ids, hidden, params, generator)
+        n = len(prompt_ids)
+        positions = torch.arange(n, device=self.draft.device)[None]
+        self.context = self.draft.context(self._features(hidden), positions)
+        self.committed = n
+
+    @torch.no_grad()
+    def propose(self, seq: list[int], max_depth: int) -> DraftTree | None:
+        n = min(self.tokens_per_round, max_depth)
+        if n < 1:
+            return None
+        draft, cfg = self.draft, self.draft.config
+        p = len(seq) - 1  # the anchor's position; the context holds positions 0..p-1
+        assert self.committed == p, "block draft context out of step"
+        device = draft.device
+        block = torch.full((1, cfg.block_size), cfg.mask_token_id, dtype=torch.long,
+                           device=device)
+        block[0, 0] = seq[-1]
+        positions = torch.arange(p, p + cfg.block_size, device=device)[None]
+        allowed = torch.ones(1, cfg.block_size, p + cfg.block_size, dtype=torch.bool,
+                             device=device)
+        hidden = draft.block(block, positions, self.context, allowed)[0]  # (B, H)
+        first = 0 if cfg.sample_from_anchor else 1
+        tokens, probs = [], []
+        previous = torch.tensor(seq[-1], device=device)
+        for k in range(n):
+            slot = hidden[first + k]
+            if cfg.confidence_head and self.min_confidence and \
+                    float(draft.confidence(slot, previous)) < self.min_confidence:
+                break
+            logits = draft.logits(slot, previous if cfg.markov_rank else None)
+            if self.params.greedy:
+                choice = logits.argmax()
+            else:
+                q = warp(logits, self.params)
+                choice = torch.multinomial(q, 1, generator=self.generator)[0]
+                probs.append(self._on_target_vocab(q))
+            token = draft.draft_to_target(choice)
+            tokens.append(int(token))
+            previous = token
+        if not tokens:
+            return None
+        return DraftTree.chain(tokens, probs or None)
+
+    def _on_target_vocab(self, q: torch.Tensor) -> torch.Tensor:
+        """A distribution over the draft rows as one over the target's vocabulary."""
+        columns = self.draft.draft_columns()
+        if columns is None:
+            return q
+        full = q.new_zeros(self.draft.config.vocab_size)
+        full[columns] = q
+        return full
+
+    @torch.no_grad()
+    def observe(self, seq, tree, path, hidden) -> None:
+        # hidden: the target's states at the old root and the accepted nodes, now committed
+        features = self._features(hidden)  # (1, 1 + len(path), L * H)
+        count = features.shape[1]
+        positions = torch.arange(self.committed, self.committed + count,
+                                 device=self.draft.device)[None]
+        new = self.draft.context(features, positions)
+        self.context = [(torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2))
+                        for (k, v), (nk, nv) in zip(self.context, new, strict=True)]
+        self.committed += count
+
+
+# ---------------------------------------------------------------------------------------------
+# the benchmark's methods: dflash:<artifact>, dspark:<artifact>
+
+BLOCK_FLAGS = (
+    OptionFlag("dflash", BlockProposer.from_artifact, "block_size", "--block-size",
+               int_at_least(1), "dflash/dspark: most draft tokens per round (capped at what the "
+               "draft's block predicts)", unset="the draft's block"),
+    OptionFlag("dflash", BlockProposer.from_artifact, "min_confidence", "--block-min-confidence",
+               parse_probability, "dspark: stop a block at the first token whose confidence "
+               "is below this"),
+)
+BLOCK_FIXED_OPTIONS = {**ARTIFACT_FIXED_OPTIONS, "dtype": "--draft-dtype",
+                       "method": "dflash:<artifact> or dspark:<artifact>"}
+
+
+def build_block(method: str):
+    def build(arg: str, name: str, ctx: BuildContext) -> EngineMethod:
+        options = ctx.kind_options("dflash")
+        proposer = BlockProposer.from_artifact(
+            arg, ctx.target, dtype=ctx.draft_dtype, method=method, name=name,
+            allow_other_weights=ctx.allow_other_weights, **options)
+        chosen = None
+        if ctx.tree == TREE_AUTO and "block_size" not in options:  # a given size is kept
+            chosen = auto_block_length(proposer, arg, ctx.target, draft_dtype=ctx.draft_dtype,
+                                       **ctx.tree_calibration)
+        return EngineMethod(name, ctx.engine, proposer, chosen)
+
+    build.__name__ = f"build_{method}"
+    return build
+
+
+def serve_block(method: str):
+    def serve(arg: str, name: str, ctx) -> list[str]:
+        """``dflash:<artifact>`` in llama.cpp: exported to GGUF, ``--spec-type draft-dflash``
+        (``draft-dspark``); ``ctx``: eval.llama_bench.ServeContext."""
+        path = ctx.work_dir / f"{method}-{len(list(ctx.work_dir.glob('*.gguf')))}.gguf"
+        gguf = export_block(arg, "gguf", path, target=ctx.target, gguf_type=ctx.gguf_type,
+                            overwrite=True)
+        return ctx.draft_args(gguf, SPEC_TYPES[method])
+
+    serve.__name__ = f"serve_{method}"
+    return serve
