@@ -72,4 +72,5 @@ def serve_plain(arg: str, name: str, ctx) -> list[str]:
 def serve_ngram(arg: str, name: str, ctx) -> list[str]:
     if arg not in LLAMA_NGRAM_TYPES:
         raise ValueError(f"{name!r}: llama.cpp's n-gram types are {', '.join(LLAMA_NGRAM_TYPES)}")
-    return ["--spec-type", arg, "--spec-draft-n-max", str(ctx.draft_max)]
+    return ["--spec-type", arg] + (["--spec-draft-n-max", str(ctx.draft_max)]
+                                   if ctx.draft_max else [])

@@ -198,8 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=("draftsmith", LLAMA_ENGINE), default="draftsmith",
                    help="draftsmith: our engine beside transformers (speedup over hf); llama.cpp: "
                         "one llama-server per method (speedup over llama.cpp's plain)")
-    p.add_argument("--llama-draft-max", type=int_at_least(1), default=3,
-                   help="llama.cpp: --spec-draft-n-max, draft tokens per round (default 3)")
+    p.add_argument("--llama-draft-max", type=int_at_least(1), default=None,
+                   help="llama.cpp: --spec-draft-n-max, draft tokens per round (default: "
+                        "llama.cpp's 3 for EAGLE-3 heads and draft models, a block draft's block)")
     p.add_argument("--llama-draft-p-min", type=parse_finite, default=0.0,
                    help="llama.cpp: --spec-draft-p-min, stop drafting below this probability")
     p.add_argument("--gguf-type", choices=GGUF_TYPES, default=DEFAULT_GGUF_TYPE,
@@ -313,7 +314,7 @@ def main(argv=None) -> list[dict]:
                         r["greedy_verdict"] = greedy_verdict(mine) if mine else None
     if args.engine == LLAMA_ENGINE and args.cross_check:
         cross_check(summary["methods"], target, prompts, max_new_tokens=args.max_new_tokens,
-                    chain=args.llama_draft_max)
+                    chains={m.name: m.draft_max for m in methods if m.draft_max})
     import transformers
 
     config = {

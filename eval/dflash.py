@@ -37,7 +37,8 @@ from eval.runners import (
 )
 from eval.sampling import warp
 from eval.tree import DraftTree
-from heads.dflash import DFlashDraft
+from heads.artifact import read_artifact_config
+from heads.dflash import DFlashConfig, DFlashDraft
 from layouts.dflash import SPEC_TYPES, export_block, load_block_draft
 
 
@@ -183,7 +184,8 @@ def serve_block(method: str):
         path = ctx.work_dir / f"{method}-{len(list(ctx.work_dir.glob('*.gguf')))}.gguf"
         gguf = export_block(arg, "gguf", path, target=ctx.target, gguf_type=ctx.gguf_type,
                             overwrite=True)
-        return ctx.draft_args(gguf, SPEC_TYPES[method])
+        most = DFlashConfig.from_dict(read_artifact_config(arg)).drafts_per_block
+        return ctx.draft_args(gguf, SPEC_TYPES[method], most)
 
     serve.__name__ = f"serve_{method}"
     return serve

@@ -201,4 +201,4 @@ def serve_draft(arg: str, name: str, ctx) -> list[str]:
                          "model directory (a distilled draft), not the target's first layers")
     path = ctx.work_dir / f"draft-{len(list(ctx.work_dir.glob('*.gguf')))}.gguf"
     gguf = export_layout(arg, "gguf", path, ExportOptions(gguf_type=ctx.gguf_type, overwrite=True))
-    return ctx.draft_args(gguf, "draft-simple")
+    return ctx.draft_args(gguf, "draft-simple", 3)  # llama.cpp's own default

@@ -243,4 +243,4 @@ def serve_eagle(arg: str, name: str, ctx) -> list[str]:
     (``ctx``: eval.llama_bench.ServeContext)."""
     gguf = export_eagle_gguf(arg, ctx.work_dir / f"eagle-{len(list(ctx.work_dir.glob('*.gguf')))}.gguf",
                              target=ctx.target, gguf_type=ctx.gguf_type, overwrite=True)
-    return ctx.draft_args(gguf, "draft-eagle3")
+    return ctx.draft_args(gguf, "draft-eagle3", 3)  # llama.cpp's own default

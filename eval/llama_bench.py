@@ -57,14 +57,16 @@ class ServeContext:
     target: Target  # the target's tokenizer and identity (its weights are llama.cpp's GGUF)
     target_gguf: Path
     work_dir: Path  # the run's GGUF exports and server logs
-    draft_max: int = 3  # --spec-draft-n-max
+    draft_max: int | None = None  # --spec-draft-n-max (None: each method's own default)
     draft_p_min: float = 0.0  # --spec-draft-p-min
     gguf_type: str = "f16"  # the heads' and drafts' GGUF precision
     options: dict[str, dict] = field(default_factory=dict)
 
-    def draft_args(self, draft_gguf: Path, spec_type: str) -> list[str]:
+    def draft_args(self, draft_gguf: Path, spec_type: str, default_max: int) -> list[str]:
+        """llama-server's arguments for a draft model file: ``--spec-draft-n-max`` is the
+        command line's when given, else the method's own (``default_max``)."""
         return ["-md", str(draft_gguf), "--spec-type", spec_type,
-                "--spec-draft-n-max", str(self.draft_max),
+                "--spec-draft-n-max", str(self.draft_max or default_max),
                 "--spec-draft-p-min", str(self.draft_p_min)]
 
 
@@ -142,6 +144,8 @@ def serve_methods(specs: list[str], ctx: ServeContext, *, threads: int, ctx_size
         stack.enter_context(server)
         method = LlamaMethod(spec, server)
         method.server_vocab = ctx.target.vocab_size
+        method.draft_max = (int(args[args.index("--spec-draft-n-max") + 1])
+                            if "--spec-draft-n-max" in args else None)
         methods.append(method)
     return methods
 
@@ -196,7 +200,8 @@ def llama_engine(args, prompt_set, specs: list[str], stack: contextlib.ExitStack
     server = methods[0].server.server
     config = {"engine": ENGINE, "llama_server": str(server), "llama_cpp_commit": COMMIT,
               "target_gguf": str(target_gguf), "target_gguf_type": target_type,
-              "head_gguf_type": args.gguf_type, "spec_draft_n_max": args.llama_draft_max,
+              "head_gguf_type": args.gguf_type,
+              "spec_draft_n_max": {m.name: m.draft_max for m in methods if m.draft_max},
               "spec_draft_p_min": args.llama_draft_p_min, "ctx_size": ctx_size,
               "server_args": {m.name: m.server.args for m in methods},
               "timing": "the server's predicted_ms (decoding; prompt_ms beside it per prompt)"}
@@ -204,21 +209,23 @@ def llama_engine(args, prompt_set, specs: list[str], stack: contextlib.ExitStack
 
 
 def cross_check(records: list[dict], target: Target, prompts: list[list[int]], *,
-                max_new_tokens: int, chain: int) -> None:
+                max_new_tokens: int, chains: dict[str, int]) -> None:
     """Each head's acceptance per depth in draftsmith's engine beside llama.cpp's (in place).
 
-    The same prompts, greedy, the head drafting a chain of ``chain`` tokens (llama.cpp's
-    ``--spec-draft-n-max``): EAGLE heads with topk 1, draft models with no confidence stop.
+    The same prompts, greedy, each head drafting a chain of ``chains[method]`` tokens (its
+    server's ``--spec-draft-n-max``): EAGLE heads with topk 1, draft models with no confidence
+    stop, block drafts with that many tokens per round.
     """
-    options = {"eagle": {"depth": chain, "topk": 1, "tree_nodes": chain},
-               "draft": {"max_depth": chain, "min_confidence": 0.0}}
-    heads = [r for r in records if method_for(r["method"]).column in ("eagle", "draft")]
-    if not heads:
-        return
-    ours = build_methods([r["method"] for r in heads], target, options=options, tree="fixed")
-    runs = run_benchmark(ours, prompts, max_new_tokens=max_new_tokens,
-                         params=SamplingParams(temperature=0.0), warmup=0, progress=False)
-    for record, method_runs in zip(heads, runs, strict=True):
+    heads = [r for r in records if method_for(r["method"]).column in ("eagle", "draft", "dflash")]
+    for record in heads:
+        chain = chains[record["method"]]
+        options = {"eagle": {"depth": chain, "topk": 1, "tree_nodes": chain},
+                   "draft": {"max_depth": chain, "min_confidence": 0.0},
+                   "dflash": {"block_size": chain}}
+        ours = build_methods([record["method"]], target, options=options, tree="fixed")
+        method_runs, = run_benchmark(ours, prompts, max_new_tokens=max_new_tokens,
+                                     params=SamplingParams(temperature=0.0), warmup=0,
+                                     progress=False)
         total = DepthCounts()
         for run in method_runs.runs[0]:
             total.add(run.acceptance)

@@ -120,8 +120,10 @@ def test_a_run_that_cannot_fit_is_refused_before_the_target_loads(tmp_path, monk
     def never(*args, **kwargs):
         raise AssertionError("the target was loaded before the memory check")
 
-    monkeypatch.setattr(trainer, "load_target", never)
-    monkeypatch.setattr(trainer, "load_target_parts", never)
+    import train.eagle_features as features
+
+    monkeypatch.setattr(features, "load_feature_target", never)
+    monkeypatch.setattr(trainer, "load_feature_target", never)
     cfg = EagleTrainConfig(target=str(target), data=["unused.jsonl"], output_dir=str(tmp_path / "o"),
                            max_tokens_per_batch=2 ** 34, max_length=2048, version=3,
                            mixed_precision="no")  # the process's accelerator state is fp32

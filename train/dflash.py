@@ -36,7 +36,6 @@ import torch
 
 from eval.dflash import BlockProposer
 from heads import draft_vocab
-from heads.artifact import save_artifact
 from heads.command_line import run_command
 from heads.dflash import DEFAULT_BLOCK_SIZE, DEFAULT_LAYERS, DFlashConfig, DFlashDraft
 from heads.dflash_loss import (
@@ -47,19 +46,13 @@ from heads.dflash_loss import (
     anchor_candidates,
     sample_anchors,
 )
-from heads.target import Target, load_target, load_target_parts
+from heads.target import Target
 from train.batches import make_batches, row_sizes
 from train.config import TrainConfig, option, parse_config
-from train.data import collate_causal_lm, load_sft_dataset
-from train.eagle_features import (
-    FeatureCache,
-    FeatureSpec,
-    cache_is_complete,
-    collate_features,
-    write_feature_cache,
-)
+from train.data import load_sft_dataset
+from train.eagle_features import FeatureSpec, feature_rows, load_feature_target
 from train.estimate import LAYER_FACTOR, MemoryModel, Shape, StepSizes
-from train.loop import Recipe, StepOutput, TrainResult, start_run
+from train.loop import Recipe, StepOutput, TrainResult, start_run, write_run_artifact
 from train.tracking import AcceptanceEval
 
 
@@ -176,12 +169,7 @@ MEMORY = MemoryModel(memory_parts, shrink_keys=(
 def build(cfg: DFlashTrainConfig) -> Recipe:
     """The run, ready to train: target, data, draft, loss, evaluation and export."""
     accelerator = start_run(cfg, MEMORY)  # seeds first, then the memory check
-    cache_dir = Path(cfg.feature_cache_dir or Path(cfg.output_dir) / "features")
-    if cfg.feature_mode == "offline" and not cfg.eval_every and cache_is_complete(cache_dir):
-        # training from a finished cache reads the embedding, final norm and LM head only
-        target = load_target_parts(cfg.target, device=accelerator.device)
-    else:
-        target = load_target(cfg.target, device=accelerator.device)  # frozen; never prepared
+    target = load_feature_target(cfg, accelerator.device)  # frozen; never prepared
     pad_id = target.tokenizer.pad_token_id
     pad_id = target.eos_token_ids[0] if pad_id is None else pad_id
     with accelerator.main_process_first():
@@ -199,19 +187,7 @@ def build(cfg: DFlashTrainConfig) -> Recipe:
                           f"training data's assistant tokens")
     layers = list(config.hidden_states_read)
     spec = FeatureSpec(tuple(layers), target.hidden_size, target.num_layers)
-    if cfg.feature_mode == "offline":  # every process writes its share of the files at once
-        write_feature_cache(target, dataset, cache_dir, spec,
-                            process_index=accelerator.process_index,
-                            num_processes=accelerator.num_processes,
-                            batch_size=cfg.per_device_batch_size,
-                            dtype=torch.bfloat16 if cfg.feature_dtype == "bf16" else torch.float32,
-                            progress=accelerator.is_main_process)
-        accelerator.wait_for_everyone()
-        rows = FeatureCache(cache_dir, spec, target)
-        collate = partial(collate_features, pad_token_id=pad_id)
-    else:
-        rows = dataset
-        collate = partial(collate_causal_lm, pad_token_id=pad_id)
+    rows, collate = feature_rows(cfg, accelerator, target, dataset, spec, pad_id)
     draft = DFlashDraft(config, target, dtype=torch.float32, **maps)
     model = DFlashLoss(draft, gamma=cfg.gamma, hard_weight=cfg.hard_weight,
                        soft_weight=cfg.soft_weight, conf_weight=cfg.conf_weight,
@@ -254,23 +230,10 @@ def build(cfg: DFlashTrainConfig) -> Recipe:
 def export(cfg: DFlashTrainConfig, accelerator, target: Target, config: DFlashConfig, report,
            result: TrainResult) -> dict:
     """The artifact, written by the main process after a completed run."""
-    weights = accelerator.get_state_dict(result.model)
-    draft = accelerator.unwrap_model(result.model).draft
-    artifact = None
-    if accelerator.is_main_process and result.completed:
-        state_dict = {name.removeprefix("draft."): tensor for name, tensor in weights.items()}
-        artifact = save_artifact(Path(cfg.output_dir) / "artifact", config.method,
-                                 config.to_dict(), state_dict, target.identity(),
-                                 overwrite=cfg.overwrite)
-        accelerator.print(
-            f"[draftsmith] {config.method} draft written to {artifact}\n"
-            f"  export:  python -m heads.export {artifact} --format vllm --out "
-            f"{Path(cfg.output_dir) / 'vllm'}   (or sglang, speculators, gguf)\n"
-            f"  measure: python -m eval.bench --target {cfg.target} --method hf "
-            f"--method {config.method}:{artifact} --prompts {cfg.eval_prompts} --num-prompts 8")
-    accelerator.wait_for_everyone()
-    result.metrics.close()
-    accelerator.end_training()
+    artifact, draft = write_run_artifact(cfg, accelerator, result, method=config.method,
+                                         config=config.to_dict(), target=target, module="draft",
+                                         formats="sglang, speculators, gguf",
+                                         bench_prefix=config.method)
     return {"step": result.state.step, "stopped": result.stopped, "artifact": artifact,
             "report": report, "target": target, "draft": draft}
 

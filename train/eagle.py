@@ -58,8 +58,7 @@ import torch
 
 from eval.eagle import DEFAULT_DEPTH, DEFAULT_TOPK, DEFAULT_TREE_NODES, EagleProposer
 from heads import draft_vocab
-from heads.artifact import save_artifact
-from heads.command_line import run_command, shell_command
+from heads.command_line import run_command
 from heads.eagle import (
     DEFAULT_CE_WEIGHT,
     DEFAULT_STEP_DECAY,
@@ -68,18 +67,13 @@ from heads.eagle import (
     EagleHead,
 )
 from heads.eagle_loss import EagleLoss, target_features
-from heads.target import Target, load_target, load_target_parts
+from heads.target import Target
 from train.batches import make_batches, row_sizes
 from train.config import TrainConfig, option, parse_config
-from train.data import collate_causal_lm, load_sft_dataset
-from train.eagle_features import (
-    FeatureCache,
-    cache_is_complete,
-    collate_features,
-    write_feature_cache,
-)
+from train.data import load_sft_dataset
+from train.eagle_features import feature_rows, load_feature_target
 from train.estimate import EAGLE_FACTOR, MemoryModel, Shape, StepSizes
-from train.loop import Recipe, StepOutput, TrainResult, start_run
+from train.loop import Recipe, StepOutput, TrainResult, start_run, write_run_artifact
 from train.tracking import AcceptanceEval
 
 
@@ -227,12 +221,7 @@ MEMORY = MemoryModel(memory_parts, shrink_keys=(
 def build(cfg: EagleTrainConfig) -> Recipe:
     """The run, ready to train: target, data, head, loss, evaluation and export."""
     accelerator = start_run(cfg, MEMORY)  # seeds first, then the memory check
-    cache_dir = Path(cfg.feature_cache_dir or Path(cfg.output_dir) / "features")
-    if cfg.feature_mode == "offline" and not cfg.eval_every and cache_is_complete(cache_dir):
-        # training from a finished cache reads the embedding, final norm and LM head only
-        target = load_target_parts(cfg.target, device=accelerator.device)
-    else:
-        target = load_target(cfg.target, device=accelerator.device)  # frozen; never prepared
+    target = load_feature_target(cfg, accelerator.device)  # frozen; never prepared
     pad_id = target.tokenizer.pad_token_id
     pad_id = target.eos_token_ids[0] if pad_id is None else pad_id
 
@@ -245,19 +234,7 @@ def build(cfg: EagleTrainConfig) -> Recipe:
         accelerator.print(f"[draftsmith] draft vocabulary: {config.draft_vocab_size} of "
                           f"{config.vocab_size} target tokens, covering {coverage:.2%} of the "
                           f"training data's assistant tokens")
-    if cfg.feature_mode == "offline":  # every process writes its share of the files at once
-        write_feature_cache(target, dataset, cache_dir, config,
-                            process_index=accelerator.process_index,
-                            num_processes=accelerator.num_processes,
-                            batch_size=cfg.per_device_batch_size,
-                            dtype=torch.bfloat16 if cfg.feature_dtype == "bf16" else torch.float32,
-                            progress=accelerator.is_main_process)
-        accelerator.wait_for_everyone()
-        rows = FeatureCache(cache_dir, config, target)
-        collate = partial(collate_features, pad_token_id=pad_id)
-    else:
-        rows = dataset
-        collate = partial(collate_causal_lm, pad_token_id=pad_id)
+    rows, collate = feature_rows(cfg, accelerator, target, dataset, config, pad_id)
     lengths, scored = row_sizes(dataset)
     batches = make_batches(rows, cfg, accelerator, collate, lengths=lengths, weights=scored)
 
@@ -305,27 +282,9 @@ def export(cfg: EagleTrainConfig, accelerator, target: Target, config: EagleConf
            result: TrainResult) -> dict:
     """The artifact, written by the main process after a completed run; returns step, stop
     message, artifact path, data report, target and the trained head (unwrapped)."""
-    # every process takes part in gathering the weights
-    weights = accelerator.get_state_dict(result.model)
-    head = accelerator.unwrap_model(result.model).head
-    artifact = None
-    if accelerator.is_main_process and result.completed:
-        state_dict = {name.removeprefix("head."): tensor for name, tensor in weights.items()}
-        artifact = save_artifact(Path(cfg.output_dir) / "artifact", config.method,
-                                 config.to_dict(), state_dict, target.identity(),
-                                 overwrite=cfg.overwrite)
-        export_command = shell_command("python", "-m", "heads.export", artifact, "--format", "vllm",
-                                       "--out", Path(cfg.output_dir) / "vllm")
-        measure = shell_command("python", "-m", "eval.bench", "--target", cfg.target, "--method",
-                                "hf", "--method", f"eagle:{artifact}", "--prompts",
-                                cfg.eval_prompts, "--num-prompts", "8")
-        accelerator.print(
-            f"[draftsmith] {config.method} head written to {artifact}\n"
-            f"  export:  {export_command}   (or sglang, speculators)\n"
-            f"  measure: {measure}")
-    accelerator.wait_for_everyone()
-    result.metrics.close()
-    accelerator.end_training()
+    artifact, head = write_run_artifact(cfg, accelerator, result, method=config.method,
+                                        config=config.to_dict(), target=target, module="head",
+                                        formats="sglang, speculators, gguf", bench_prefix="eagle")
     return {"step": result.state.step, "stopped": result.stopped, "artifact": artifact,
             "report": report, "target": target, "head": head}
 

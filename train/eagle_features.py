@@ -60,6 +60,7 @@ import struct
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -518,3 +519,38 @@ def collate_features(rows: Sequence[Mapping], pad_token_id: int) -> dict[str, to
         batch[key] = out
     batch.setdefault("last_hidden", batch["features"])
     return batch
+
+
+# ------------------------------------------------------------------------------------------------
+# what a trainer with ``feature_mode`` (EAGLE, block drafts) reads its rows from
+
+
+def load_feature_target(cfg, device) -> Target:
+    """The target a run needs: only its embedding, final norm and LM head when it trains from a
+    finished cache without evaluating (``feature_mode: offline``, ``eval_every: 0``), else all."""
+    from heads.target import load_target, load_target_parts
+
+    if cfg.feature_mode == "offline" and not cfg.eval_every and cache_is_complete(
+            feature_cache_dir(cfg)):
+        return load_target_parts(cfg.target, device=device)
+    return load_target(cfg.target, device=device)  # frozen; never prepared
+
+
+def feature_cache_dir(cfg) -> Path:
+    return Path(cfg.feature_cache_dir or Path(cfg.output_dir) / "features")
+
+
+def feature_rows(cfg, accelerator, target: Target, dataset, config, pad_id: int):
+    """(rows, collate) of a run: the tokenised dataset (online: the target runs in the step), or
+    the feature cache, written first by every process at once (offline)."""
+    if cfg.feature_mode != "offline":
+        return dataset, partial(collate_causal_lm, pad_token_id=pad_id)
+    directory = feature_cache_dir(cfg)
+    write_feature_cache(target, dataset, directory, config,
+                        process_index=accelerator.process_index,
+                        num_processes=accelerator.num_processes,
+                        batch_size=cfg.per_device_batch_size,
+                        dtype=torch.bfloat16 if cfg.feature_dtype == "bf16" else torch.float32,
+                        progress=accelerator.is_main_process)
+    accelerator.wait_for_everyone()
+    return FeatureCache(directory, config, target), partial(collate_features, pad_token_id=pad_id)

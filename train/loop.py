@@ -37,6 +37,8 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
+from heads.artifact import save_artifact
+from heads.command_line import shell_command
 from train.accelerator import make_accelerator, refuse_sharded
 from train.batches import TrainBatches, loss_scale, padded_tokens
 from train.checkpoints import Checkpointer, TrainState
@@ -101,6 +103,35 @@ def start_run(cfg, memory: MemoryModel) -> Accelerator:
     accelerator = make_accelerator(cfg)
     check_fits(cfg, accelerator, memory)
     return accelerator
+
+
+def write_run_artifact(cfg, accelerator: Accelerator, result: TrainResult, *, method: str,
+                       config: dict, target, module: str, formats: str,
+                       bench_prefix: str) -> tuple[Path | None, nn.Module]:
+    """The end of a run whose draft is one submodule of the trained module (``module``: the
+    head of an EagleLoss, the draft of a DFlashLoss): every process gathers the weights, the
+    main process of a completed run writes ``<output_dir>/artifact`` and prints the commands that
+    export and measure it; then the metrics and the accelerator are closed. -> (the artifact or
+    None, the unwrapped draft)."""
+    weights = accelerator.get_state_dict(result.model)
+    draft = getattr(accelerator.unwrap_model(result.model), module)
+    artifact = None
+    if accelerator.is_main_process and result.completed:
+        state_dict = {name.removeprefix(f"{module}."): tensor for name, tensor in weights.items()}
+        artifact = save_artifact(Path(cfg.output_dir) / "artifact", method, config, state_dict,
+                                 target.identity(), overwrite=cfg.overwrite)
+        export_command = shell_command("python", "-m", "heads.export", artifact, "--format",
+                                       "vllm", "--out", Path(cfg.output_dir) / "vllm")
+        measure = shell_command("python", "-m", "eval.bench", "--target", cfg.target, "--method",
+                                "hf", "--method", f"{bench_prefix}:{artifact}", "--prompts",
+                                cfg.eval_prompts, "--num-prompts", "8")
+        accelerator.print(f"[draftsmith] {method} written to {artifact}\n"
+                          f"  export:  {export_command}   (or {formats})\n"
+                          f"  measure: {measure}")
+    accelerator.wait_for_everyone()
+    result.metrics.close()
+    accelerator.end_training()
+    return artifact, draft
 
 
 class NonFiniteLoss(ValueError):
