@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3DecoderLayer,
@@ -345,33 +346,24 @@ class DFlashDraft(nn.Module):
         return out
 
     def block(self, block_ids: torch.Tensor, positions: torch.Tensor, context: list[tuple],
-              allowed: torch.Tensor) -> torch.Tensor:
+              allowed: torch.Tensor, *, gradient_checkpointing: bool = False) -> torch.Tensor:
         """The final-normed hidden states of block tokens.
 
         block_ids, positions (B, M): the blocks' tokens (anchors and mask tokens) and positions;
         context: :meth:`context` over S positions; allowed (B or 1, M, S + M) bool: which context
-        and block keys each block query sees. -> (B, M, H).
+        and block keys each block query sees. ``gradient_checkpointing``: keep each layer's
+        input only and recompute the layer in backward. -> (B, M, H).
         """
         x = self.frozen.embed(block_ids).to(self.dtype)  # (B, M, H)
         cos, sin = self._rope(x, positions)
         mask = allowed[:, None]  # (B, 1, M, S + M)
+        recompute = gradient_checkpointing and torch.is_grad_enabled()
         for layer, (ctx_k, ctx_v) in zip(self.layers, context, strict=True):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            shape = (*h.shape[:-1], -1, attn.head_dim)
-            q = attn.q_norm(attn.q_proj(h).view(shape)).transpose(1, 2)
-            k = attn.k_norm(attn.k_proj(h).view(shape)).transpose(1, 2)
-            v = attn.v_proj(h).view(shape).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            keys = torch.cat([ctx_k.to(k.dtype), k], dim=2)
-            values = torch.cat([ctx_v.to(v.dtype), v], dim=2)
-            groups = q.shape[1] // keys.shape[1]
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, scale=attn.scaling,
-                **({"enable_gqa": True} if groups > 1 else {}))  # (B, heads, M, hd)
-            out = out.transpose(1, 2).reshape(*x.shape[:-1], -1)
-            x = x + attn.o_proj(out)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if recompute:
+                x = checkpoint(_block_layer, layer, x, cos, sin, ctx_k, ctx_v, mask,
+                               use_reentrant=False)
+            else:
+                x = _block_layer(layer, x, cos, sin, ctx_k, ctx_v, mask)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor, previous: torch.Tensor | None = None) -> torch.Tensor:
@@ -388,6 +380,27 @@ class DFlashDraft(nn.Module):
         """DSpark: the probability that each slot's token is accepted given the earlier ones."""
         code = self.markov_head.markov_w1(previous)
         return torch.sigmoid(self.confidence_head(hidden, code).float())
+
+
+def _block_layer(layer, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
+    """One decoder layer over block tokens: queries from the block, keys and values from the
+    context's (injected) entries followed by the block's own."""
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)
+    shape = (*h.shape[:-1], -1, attn.head_dim)
+    q = attn.q_norm(attn.q_proj(h).view(shape)).transpose(1, 2)
+    k = attn.k_norm(attn.k_proj(h).view(shape)).transpose(1, 2)
+    v = attn.v_proj(h).view(shape).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    keys = torch.cat([ctx_k.to(k.dtype), k], dim=2)
+    values = torch.cat([ctx_v.to(v.dtype), v], dim=2)
+    groups = q.shape[1] // keys.shape[1]
+    out = F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, scale=attn.scaling,
+        **({"enable_gqa": True} if groups > 1 else {}))  # (B, heads, M, hd)
+    out = out.transpose(1, 2).reshape(*x.shape[:-1], -1)
+    x = x + attn.o_proj(out)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -77,14 +77,15 @@ def sample_anchors(loss_mask: torch.Tensor, count: int, generator: torch.Generat
 
 def dflash_loss(draft: DFlashDraft, batch: dict, anchors: torch.Tensor, *,
                 gamma: float = DEFAULT_GAMMA, hard_weight: float = 1.0, soft_weight: float = 0.0,
-                conf_weight: float = DEFAULT_CONF_WEIGHT,
-                chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[torch.Tensor, dict]:
+                conf_weight: float = DEFAULT_CONF_WEIGHT, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                gradient_checkpointing: bool = False) -> tuple[torch.Tensor, dict]:
     """The weighted loss summed over every scored slot, and its metrics.
 
     batch: input_ids, attention_mask, loss_mask (B, S), features (B, S, L * H) (the target's
     hidden states at ``target_layer_ids``), last_hidden (B, S, H) (its final-normed state, for
     the soft term and DSpark's confidence target); anchors (B, A) from :func:`sample_anchors`.
     metrics: ``acc_<k>`` (correct, scored) per predicted slot k, ``conf_loss`` (DSpark).
+    ``gradient_checkpointing``: the draft's layers are recomputed in backward (the same loss).
     """
     cfg = draft.config
     ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
@@ -98,7 +99,8 @@ def dflash_loss(draft: DFlashDraft, batch: dict, anchors: torch.Tensor, *,
     block_ids = torch.full((B, A, size), cfg.mask_token_id, dtype=torch.long, device=ids.device)
     block_ids[:, :, 0] = ids.gather(1, anchors.clamp_min(0))
     hidden = draft.block(block_ids.view(B, A * size), block_pos.view(B, A * size), context,
-                         block_mask(valid_tokens, anchors, size)).view(B, A, size, -1)
+                         block_mask(valid_tokens, anchors, size),
+                         gradient_checkpointing=gradient_checkpointing).view(B, A, size, -1)
     weights = position_weights(draft, gamma)
     columns = draft.draft_columns() if soft_weight else None
     weight = draft.logit_weight
@@ -174,7 +176,8 @@ class DFlashLoss(DraftLoss):
     (one DDP forward per micro-batch; the draft stays ``.draft``). The keywords are
     :func:`dflash_loss`'s; ``forward(batch, anchors) -> (loss, metrics)``."""
 
-    OPTIONS = ("gamma", "hard_weight", "soft_weight", "conf_weight", "chunk_size")
+    OPTIONS = ("gamma", "hard_weight", "soft_weight", "conf_weight", "chunk_size",
+               "gradient_checkpointing")
 
     def __init__(self, draft: DFlashDraft, **options):
         super().__init__(**options)

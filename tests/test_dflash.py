@@ -108,6 +108,31 @@ def test_the_loss_trains_the_draft_and_leaves_the_target(target, method, vocab):
     assert row_block_weight(loss_mask[0], 4, [1.0, 0.5]) == 4 * 1.5
 
 
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(target, method):
+    draft = make_draft(target, method, 40).train()
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, target.vocab_size, (2, 16), generator=gen)
+    mask = torch.ones_like(ids)
+    _, states = target.features(ids, [*draft.config.hidden_states_read, target.num_layers])
+    batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask,
+             "features": torch.cat(states[:-1], -1), "last_hidden": states[-1]}
+    anchors = sample_anchors(mask, 5, torch.Generator().manual_seed(0))
+    results = []
+    for recompute in (False, True):
+        draft.zero_grad()
+        loss, _ = dflash_loss(draft, batch, anchors, soft_weight=0.5,
+                              gradient_checkpointing=recompute)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in draft.named_parameters()
+                                        if p.grad is not None}))
+    (plain, plain_grads), (kept, kept_grads) = results
+    torch.testing.assert_close(kept, plain, rtol=1e-12, atol=1e-12)
+    assert plain_grads.keys() == kept_grads.keys() and len(plain_grads) > 4
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(kept_grads[name], grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
 def test_artifact_round_trip_and_refusals(target, tmp_path):
     draft = make_draft(target, "dspark", 40)
     save_dflash(draft, tmp_path / "a", target)

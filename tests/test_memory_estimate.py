@@ -106,6 +106,33 @@ def test_the_8b_recipes_fit_an_80gb_gpu_and_the_full_vocabulary_does_not_at_a_hu
     assert estimate("eagle", cfg, llama, device="cuda", processes=8).total > 141 * 1024 ** 3
 
 
+
+def test_the_8b_block_drafts_fit_and_their_blocks_are_counted_honestly():
+    from train.config import parse_config
+    from train.dflash import DFlashTrainConfig
+
+    root = Path(__file__).resolve().parents[1]
+    llama = WIDTHS["llama-3.1-8b"]
+    cfg = parse_config(DFlashTrainConfig, ["--config", str(root / "configs/dflash/llama-3.1-8b-"
+                                                               "instruct.yaml")])
+    fits = estimate("dflash", cfg, llama, device="cuda", processes=8)
+    assert fits.total < 70 * 1024 ** 3, fits.table()
+
+    def blocks(**keys) -> float:
+        for k, v in keys.items():
+            setattr(cfg, k, v)
+        return next(v for k, v in estimate("dflash", cfg, llama, device="cuda").parts.items()
+                    if k.startswith("block activations"))
+
+    kept = blocks(gradient_checkpointing=False)
+    assert blocks(gradient_checkpointing=True) < kept / 3  # each layer recomputed in backward
+    # rows by count: at most `anchors` blocks per row, so fewer anchors, fewer blocks
+    assert blocks(gradient_checkpointing=False, anchors=cfg.anchors // 2) < 0.6 * kept
+    # a token budget's rows may be as short as a prompt: every position may start a block
+    budget = blocks(anchors=512, max_tokens_per_batch=cfg.per_device_batch_size * cfg.max_length)
+    assert budget > 4 * kept
+
+
 def test_a_run_that_cannot_fit_is_refused_before_the_target_loads(tmp_path, monkeypatch):
     import train.eagle as trainer
 

@@ -149,11 +149,19 @@ def memory_parts(cfg, target: Shape, sizes: StepSizes) -> dict[str, float]:
     if cfg.method == "dspark":
         rank = cfg.markov_rank or 64
         trained += rank * (target.vocab + vocab) + h + rank
-    block_tokens = cfg.anchors * cfg.block_size * cfg.per_device_batch_size
-    per_token = LAYER_FACTOR * target.layer_saved_per_token() * act
+    # blocks start at distinct positions, so a micro-batch holds at most its tokens' worth; with
+    # rows batched by count, at most `anchors` per row as well (a token budget bounds only the
+    # first: its rows can be as short as a prompt)
+    blocks = n if cfg.max_tokens_per_batch else min(n, cfg.anchors * cfg.per_device_batch_size)
+    block_tokens = blocks * cfg.block_size
+    per_layer = LAYER_FACTOR * target.layer_saved_per_token() * act  # bytes per block token
+    if cfg.gradient_checkpointing:  # each layer keeps its input; one layer is rebuilt at a time
+        saved = per_layer + layers * h * act
+    else:
+        saved = layers * per_layer
     return {
         f"trained draft ({trained / 1e6:.0f} M parameters, AdamW)": sizes.optimizer(trained),
-        f"block activations ({layers} layers)": layers * per_token * block_tokens
+        f"block activations ({layers} layers)": saved * block_tokens
         + layers * 2 * target.kv_dim * act * n,
         "target forward and features": sizes.target_forward + (ids + 1) * h * act * n,
         f"loss chunk ({min(cfg.loss_chunk_size, block_tokens)} x {vocab})":
@@ -162,8 +170,8 @@ def memory_parts(cfg, target: Shape, sizes: StepSizes) -> dict[str, float]:
 
 
 MEMORY = MemoryModel(memory_parts, shrink_keys=(
-    "max_tokens_per_batch (or per_device_batch_size), anchors, block_size, draft_vocab_size, "
-    "loss_chunk_size"))
+    "max_tokens_per_batch (or per_device_batch_size), anchors, block_size, "
+    "gradient_checkpointing: true, draft_vocab_size, loss_chunk_size"))
 
 
 def build(cfg: DFlashTrainConfig) -> Recipe:
@@ -191,7 +199,8 @@ def build(cfg: DFlashTrainConfig) -> Recipe:
     draft = DFlashDraft(config, target, dtype=torch.float32, **maps)
     model = DFlashLoss(draft, gamma=cfg.gamma, hard_weight=cfg.hard_weight,
                        soft_weight=cfg.soft_weight, conf_weight=cfg.conf_weight,
-                       chunk_size=cfg.loss_chunk_size)
+                       chunk_size=cfg.loss_chunk_size,
+                       gradient_checkpointing=cfg.gradient_checkpointing)
     weights = [float(w) for w in torch.exp(-torch.arange(config.drafts_per_block) / cfg.gamma)]
     lengths, _ = row_sizes(dataset)
     batches = make_batches(rows, cfg, accelerator, collate, lengths=lengths,
