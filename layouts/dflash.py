@@ -58,6 +58,12 @@ NOT_RUN_HERE = {"vllm": "vLLM 0.33.0 needs a GPU build", "sglang": "SGLang 0.5.2
                                "the export back, not by speculators itself"}
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "Qwen3DSparkModel"}
 SPEC_TYPES = {"dflash": "draft-dflash", "dspark": "draft-dspark"}
+# llama.cpp 0c1e570 serves a DFlash draft with a draft vocabulary (its loader reads ``d2t`` and
+# scatters the draft's logits onto the target's vocabulary), but only its converter's DSpark
+# class writes ``d2t``; the DFlash class cannot map the tensor. So the conversion layout of such
+# a draft names that class: without Markov tensors the GGUF is a plain DFlash draft (the same
+# architecture, the Markov head absent) and --spec-type draft-dflash reads it as one.
+GGUF_VOCAB_ARCHITECTURE = "DSparkDraftModel"
 SPECULATORS_VERSION = "0.9.0"
 
 
@@ -92,7 +98,10 @@ def serving_files(meta: dict, state: dict[str, torch.Tensor], fmt: str, *,
                      "target_layer_ids": list(cfg.target_layer_ids), "block_size": cfg.block_size}
     layer = _layer_keys(cfg, dtype)
     if fmt in ("vllm", "sglang", "gguf"):
-        config = {**layer, "architectures": [ARCHITECTURES[cfg.method]],
+        arch = ARCHITECTURES[cfg.method]
+        if fmt == "gguf" and cfg.method == "dflash" and cfg.draft_vocab_size is not None:
+            arch = GGUF_VOCAB_ARCHITECTURE
+        config = {**layer, "architectures": [arch],
                   "block_size": cfg.block_size, "num_target_layers": cfg.target_num_layers,
                   "draft_vocab_size": cfg.head_vocab_size, "draftsmith": provenance}
         if cfg.method == "dflash":
@@ -152,9 +161,15 @@ def export_block(artifact_dir: str | os.PathLike, fmt: str, out: str | os.PathLi
             raise ValueError("llama.cpp's converter reads the target's Hugging Face directory for "
                              "a block draft (its vocabulary): pass --target")
         check_gguf_destination(out, overwrite=overwrite, protect=[artifact_dir, found.path])
-        return write_gguf(out, lambda tmp: export_block(artifact_dir, "vllm", tmp),
-                          gguf_type=gguf_type, target_model_dir=found.path, overwrite=overwrite,
-                          protect=[artifact_dir, found.path])
+
+        def layout(tmp: Path) -> Path:
+            _, state = load_artifact(artifact_dir, METHODS)
+            config, weights = serving_files(meta, state, "gguf")
+            return write_export(tmp, {"config.json": config, "model.safetensors": weights},
+                                source=artifact_dir, fmt="gguf")
+
+        return write_gguf(out, layout, gguf_type=gguf_type, target_model_dir=found.path,
+                          overwrite=overwrite, protect=[artifact_dir, found.path])
     check_destination(out, kind="export", overwrite=overwrite, protect=[artifact_dir])
     _, state = load_artifact(artifact_dir, METHODS)
     found = None

@@ -3,6 +3,8 @@
 #
 #   scripts/cpu_results.sh STAGE        STAGE: prompts | regenerate | eagle | medusa | distill | bench
 #                                              | shipped-eagle3 | shipped-medusa | shipped-bench
+#                                              | shipped-dflash | block-bench | llama-costs
+#                                              | llama-bench | llama-regenerate
 #
 # Each stage is what was run, with its wall-clock on 2 cores noted beside it; the README quotes
 # the figures. Outputs go under runs/ (training) and reports/ (benchmark JSON). Every training
@@ -117,8 +119,45 @@ bench)  # MT-bench first turns, 128 tokens; tree settings tuned on 4 Vicuna-benc
     --prompts data/eval/mt_bench_question.jsonl --num-prompts 8 --max-new-tokens 128 \
     --temperature 1 --seed 0 --out reports/distill_t1.json
   ;;
+shipped-dflash)  # artifacts/smollm2-135m/dflash: DFlash, 2 layers, blocks of 8, 12 epochs of the
+  # shipped self-distilled answers from an offline bf16 feature cache: 29 min of target features
+  # (2.1 GB) then 41 min of training (2592 steps, ~3500 block tokens/s)
+  "$PYTHON" train/dflash.py --config configs/dflash/smollm2-135m.yaml --resume latest \
+    --report_to none
+  "$PYTHON" -m heads.artifact cast runs/dflash-smollm2-135m/artifact \
+    artifacts/smollm2-135m/dflash --dtype bf16 --overwrite
+  ;;
+block-bench)  # the shipped block draft beside the shipped EAGLE-3 head and prompt lookup, in our
+  # engine: 80 MT-bench first turns, 128 tokens, T=0
+  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf --method hf-pld \
+    --method eagle:artifacts/smollm2-135m/eagle3 --method dflash:artifacts/smollm2-135m/dflash \
+    --tree auto --draft-dtype bf16 --prompts data/eval/mt_bench_question.jsonl --num-prompts 80 \
+    --max-new-tokens 128 --temperature 0 --out reports/shipped_block_t0.json
+  ;;
+llama-costs)  # what a round costs in llama.cpp and in our engine (verification of n tokens, a
+  # draft step), on an idle machine
+  "$PYTHON" scripts/llama_costs.py --out reports/llama_costs.json \
+    --dflash artifacts/smollm2-135m/dflash
+  ;;
+llama-bench)  # the shipped drafts served by llama.cpp itself: 20 MT-bench first turns, 128
+  # tokens, greedy, one thread per server, on the embedded Q4_1 target and an f32 GGUF of it
+  for target_type in "" f32; do
+    "$PYTHON" -m eval.bench --engine llama.cpp --target smollm2-135m --threads 1 \
+      ${target_type:+--gguf-target-type $target_type} \
+      --method plain --method ngram:ngram-simple --method ngram:ngram-mod \
+      --method eagle:artifacts/smollm2-135m/eagle3 --method dflash:artifacts/smollm2-135m/dflash \
+      --llama-draft-p-min "${P_MIN:-0.0}" --cross-check \
+      --prompts data/eval/mt_bench_question.jsonl --num-prompts 20 --max-new-tokens 128 \
+      --temperature 0 --out "reports/llama_${target_type:-q4_1}.json"
+  done
+  ;;
+llama-regenerate)  # regeneration through llama-server's parallel slots against the in-process
+  # backend, the same 64 prompts, 128 tokens, greedy
+  "$PYTHON" scripts/regenerate_speed.py --prompts data/train/sharegpt_first_turns.json --num-prompts 64 \
+    --max-new-tokens 128 --out reports/regenerate_speed.json
+  ;;
 *)
-  echo "usage: $0 prompts|regenerate|eagle|medusa|distill|bench|shipped-eagle3|shipped-medusa|shipped-bench" >&2
+  echo "usage: $0 prompts|regenerate|eagle|medusa|distill|bench|shipped-eagle3|shipped-medusa|shipped-bench|shipped-dflash|block-bench|llama-costs|llama-bench|llama-regenerate" >&2
   exit 2
   ;;
 esac

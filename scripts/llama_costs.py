@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("MKL_CBWR", "AUTO")  # as eval.bench: MKL's small-GEMM path is slow on EPYC
 
 import torch  # noqa: E402
 

@@ -148,6 +148,14 @@ def files(tmp_path_factory, server_path):
     block = DFlashDraft(block_cfg, target, dtype=torch.float32)
     fit_block(block, target, rows)
     save_dflash(block, root / "dflash", target)
+    # the same with a draft vocabulary: llama.cpp's DFlash converter cannot map d2t, so the export
+    # goes through its DSpark class (layouts/dflash.py); the server must still read a DFlash draft
+    vocab_cfg = DFlashConfig.from_target(target, "dflash", num_layers=1, block_size=4,
+                                         target_layer_ids=(0, 2), draft_vocab_size=2048)
+    torch.manual_seed(4)
+    vocab_block = DFlashDraft(vocab_cfg, target, d2t=d2t, t2d=t2d, dtype=torch.float32)
+    fit_block(vocab_block, target, rows)
+    save_dflash(vocab_block, root / "dflash-vocab", target)
     spark_cfg = DFlashConfig.from_target(target, "dspark", num_layers=1, block_size=4,
                                          target_layer_ids=(0, 2), markov_rank=16)
     torch.manual_seed(3)
@@ -188,7 +196,7 @@ def test_gguf_exports_of_a_head_and_a_draft_through_llamas_converter(files, caps
     assert (root / "notes.gguf").read_text() == "my notes"
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dflash", "dspark", "draft"])
+@pytest.mark.parametrize("kind", ["eagle3", "dflash", "dflash-vocab", "dspark", "draft"])
 def test_llama_server_decodes_greedily_as_plain_and_accepts_as_our_engine(files, kind):
     root, target = files["root"], files["target"]
     if kind == "eagle3":
@@ -201,7 +209,7 @@ def test_llama_server_decodes_greedily_as_plain_and_accepts_as_our_engine(files,
         ours = EagleProposer.from_artifact(str(root / "eagle3"), target, depth=3, topk=1,
                                            tree_nodes=3)
         spec = "draft-eagle3"
-    elif kind in ("dflash", "dspark"):
+    elif kind in ("dflash", "dflash-vocab", "dspark"):
         draft = root / f"{kind}.gguf"
         if not draft.exists():
             export_main([str(root / kind), "--format", "gguf", "--out", str(draft),
@@ -209,7 +217,7 @@ def test_llama_server_decodes_greedily_as_plain_and_accepts_as_our_engine(files,
         from eval.dflash import BlockProposer
 
         ours = BlockProposer.from_artifact(str(root / kind), target, block_size=3)
-        spec = f"draft-{kind}"
+        spec = "draft-dspark" if kind == "dspark" else "draft-dflash"
     else:
         draft = root / "draft.gguf"
         if not draft.exists():
