@@ -237,6 +237,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.params = SamplingParams(args.temperature, args.top_k, args.top_p)
     except ValueError as err:
         p.error(str(err))
+    if args.cross_check and (args.engine != LLAMA_ENGINE or args.llama_draft_p_min
+                             or not args.params.greedy):
+        # our engine drafts whole chains greedily: beside a p-min stop or sampled tokens the
+        # per-depth counts would differ by rule, not by fault
+        p.error("--cross-check compares llama.cpp's greedy full chains with ours: it needs "
+                "--engine llama.cpp, --temperature 0 and no --llama-draft-p-min")
     # never onto an input (the prompts, the target, an artifact or a file in it), checked now
     inputs = named_paths(args.prompts, args.target, args.tree_calibration_prompts, *args.methods)
     for name in ("out", "html"):

@@ -45,8 +45,12 @@ from layouts.llama_cpp import LlamaServer, find_llama_server
 
 ENGINE = "llama.cpp"
 # llama.cpp quantises activations to 8 bits (q8) for quantised weights' dot products, so a
-# quantised target's near-ties are judged at bf16 precision (8 significant bits)
-TIE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+# quantised target's near-ties are judged at bf16 precision (8 significant bits). Its KV cache is
+# f16 (the servers run with llama.cpp's default --cache-type-k/v), and attention's queries are
+# rounded to f16 to meet it, so even an f32 target's logits carry f16 rounding, in an order that
+# differs between a one-token step and a batched verification: judged at f16 (seen: an f32 GGUF's
+# top two 0.0016 apart in log-probability traded places, 1 prompt in 20, for two methods alike)
+TIE_DTYPES = {"f32": torch.float16, "f16": torch.float16, "bf16": torch.bfloat16}
 TOP_PROBS = 5
 
 

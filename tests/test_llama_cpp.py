@@ -308,3 +308,8 @@ def test_the_benchmark_in_llama_cpp_stops_every_server(files, tmp_path, capsys):
         bench.main([*argv[:-2], "--method", "hf", "--out", str(tmp_path / "bad.json")])
     assert "no llama.cpp counterpart" in capsys.readouterr().err
     assert not (tmp_path / "bad.json").exists()
+    # a cross-check beside a p-min stop would differ by rule: refused the same way
+    with pytest.raises(SystemExit):
+        bench.main([*argv[:-2], "--llama-draft-p-min", "0.5", "--out", str(tmp_path / "bad.json")])
+    assert "--cross-check compares" in capsys.readouterr().err
+    assert not (tmp_path / "bad.json").exists()
