@@ -10,6 +10,7 @@ BENCH_DRAFT ?= truncate:8
 # (the calibration for the machine they were trained on ships in their tree_calibration.json)
 SHIPPED_EAGLE := artifacts/smollm2-135m/eagle3
 SHIPPED_MEDUSA := artifacts/smollm2-135m/medusa
+SHIPPED_DFLASH := artifacts/smollm2-135m/dflash
 SHIPPED_TREE ?= --tree auto --draft-dtype bf16
 STAMP := .install.stamp
 
@@ -34,7 +35,8 @@ bench: install
 	$(PYTHON) -m eval.bench --target smollm2-135m --threads $(THREADS) \
 	  --method hf --method plain --method pld --method hf-pld \
 	  --method draft:$(BENCH_DRAFT) --method hf-assisted:$(BENCH_DRAFT) \
-	  --method eagle:$(SHIPPED_EAGLE) --method medusa:$(SHIPPED_MEDUSA) $(SHIPPED_TREE) \
+	  --method eagle:$(SHIPPED_EAGLE) --method medusa:$(SHIPPED_MEDUSA) \
+	  --method dflash:$(SHIPPED_DFLASH) $(SHIPPED_TREE) \
 	  --prompts $(BENCH_PROMPTS) --num-prompts $(BENCH_N) --max-new-tokens 128 \
 	  --temperature 0 --out reports/bench.json --html reports/bench.html
 
@@ -44,10 +46,12 @@ llama-cpp: install
 	$(PYTHON) -m layouts.llama_cpp build
 
 # the shipped heads served by llama.cpp itself, beside its plain decoding and its n-gram lookups
+# (drafting stops below probability 0.6; scripts/cpu_results.sh llama-cross-check compares
+# acceptance with our engine's)
 bench-llama: install llama-cpp
 	$(PYTHON) -m eval.bench --engine llama.cpp --target smollm2-135m --threads $(THREADS) \
 	  --method plain --method ngram:ngram-simple --method ngram:ngram-mod \
-	  --method eagle:$(SHIPPED_EAGLE) --llama-draft-max 1 --cross-check \
+	  --method eagle:$(SHIPPED_EAGLE) --method dflash:$(SHIPPED_DFLASH) --llama-draft-p-min 0.6 \
 	  --prompts $(BENCH_PROMPTS) --num-prompts $(BENCH_N) --max-new-tokens 128 \
 	  --temperature 0 --out reports/bench_llama.json --html reports/bench_llama.html
 

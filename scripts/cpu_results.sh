@@ -2,9 +2,11 @@
 # How the README's trained-draft results were made on the 2-core CPU machine, stage by stage.
 #
 #   scripts/cpu_results.sh STAGE        STAGE: prompts | regenerate | eagle | medusa | distill | bench
+#                                              | distill-fixed
 #                                              | shipped-eagle3 | shipped-medusa | shipped-bench
 #                                              | shipped-dflash | block-bench | llama-costs
-#                                              | llama-bench | llama-regenerate
+#                                              | llama-bench | llama-cross-check
+#                                              | llama-regenerate
 #
 # Each stage is what was run, with its wall-clock on 2 cores noted beside it; the README quotes
 # the figures. Outputs go under runs/ (training) and reports/ (benchmark JSON). Every training
@@ -69,6 +71,20 @@ distill)  # truncate:6 distilled off-policy (JSD) on the answers, 200 steps, 2 t
     --on_policy_ratio 0 --learning_rate 3e-4 --warmup_steps 10 --max_steps 200 \
     --save_every 50 --log_every 5 --heldout_every 50 --heldout_max_rows 16 --eval_every 200 \
     --eval_prompts "$HELDOUT" --eval_num_prompts 2 --eval_max_new_tokens 32 --report_to none
+  ;;
+distill-fixed)  # the same recipe after the loss-weight overflow fix (an int8 sum of the loss mask
+  # wrapped past 127 and scaled some micro-batches by 1e12), on the shipped answers (the 768-prompt
+  # data of the run above is gone), then before/after at temperature 0 on 8 prompts
+  "${LAUNCH[@]}" --num_cpu_threads_per_process 2 train/distill.py \
+    --config configs/distill/smollm2-135m.yaml --output_dir runs/distill6-fixed --resume latest \
+    --data data/train/selfdistill_answers.jsonl --max_length 512 --per_device_batch_size 4 \
+    --on_policy_ratio 0 --learning_rate 3e-4 --warmup_steps 10 --max_steps 200 \
+    --save_every 50 --log_every 5 --heldout_every 50 --heldout_max_rows 16 --eval_every 200 \
+    --eval_prompts "$HELDOUT" --eval_num_prompts 2 --eval_max_new_tokens 32 --report_to none
+  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf \
+    --method draft:truncate:6 --method draft:runs/distill6-fixed/artifact \
+    --prompts data/eval/mt_bench_question.jsonl --num-prompts 8 --max-new-tokens 128 \
+    --temperature 0 --out reports/distill_fixed_t0.json
   ;;
 shipped-eagle3)  # artifacts/smollm2-135m/eagle3: 450 steps of 2048-token batches on the shipped
   # self-distilled answers (833k real tokens, 1.7 epochs), 4 test-time steps: 58 min, ~250 tokens/s
@@ -140,24 +156,33 @@ llama-costs)  # what a round costs in llama.cpp and in our engine (verification 
     --dflash artifacts/smollm2-135m/dflash
   ;;
 llama-bench)  # the shipped drafts served by llama.cpp itself: 20 MT-bench first turns, 128
-  # tokens, greedy, one thread per server, on the embedded Q4_1 target and an f32 GGUF of it
+  # tokens, greedy, one thread per server, on the embedded Q4_1 target and an f32 GGUF of it;
+  # drafting stops below p 0.6 (the best of 0, 0.6 and 0.9 on 5 prompts for both heads)
   for target_type in "" f32; do
     "$PYTHON" -m eval.bench --engine llama.cpp --target smollm2-135m --threads 1 \
       ${target_type:+--gguf-target-type $target_type} \
       --method plain --method ngram:ngram-simple --method ngram:ngram-mod \
       --method eagle:artifacts/smollm2-135m/eagle3 --method dflash:artifacts/smollm2-135m/dflash \
-      --llama-draft-p-min "${P_MIN:-0.0}" --cross-check \
+      --llama-draft-p-min "${P_MIN:-0.6}" \
       --prompts data/eval/mt_bench_question.jsonl --num-prompts 20 --max-new-tokens 128 \
       --temperature 0 --out "reports/llama_${target_type:-q4_1}.json"
   done
   ;;
+llama-cross-check)  # each head's acceptance per depth in llama.cpp and in our engine, the same
+  # prompts and chains (f32 target, full chains: no p-min)
+  "$PYTHON" -m eval.bench --engine llama.cpp --target smollm2-135m --threads 1 \
+    --gguf-target-type f32 --method plain --method eagle:artifacts/smollm2-135m/eagle3 \
+    --method dflash:artifacts/smollm2-135m/dflash --cross-check \
+    --prompts data/eval/mt_bench_question.jsonl --num-prompts 8 --max-new-tokens 128 \
+    --temperature 0 --out reports/llama_cross_check.json
+  ;;
 llama-regenerate)  # regeneration through llama-server's parallel slots against the in-process
-  # backend, the same 64 prompts, 128 tokens, greedy
-  "$PYTHON" scripts/regenerate_speed.py --prompts data/train/sharegpt_first_turns.json --num-prompts 64 \
+  # backend, the first 64 of the shipped training prompts, 128 tokens, greedy
+  "$PYTHON" scripts/regenerate_speed.py --prompts data/train/selfdistill_prompts.jsonl --num-prompts 64 \
     --max-new-tokens 128 --out reports/regenerate_speed.json
   ;;
 *)
-  echo "usage: $0 prompts|regenerate|eagle|medusa|distill|bench|shipped-eagle3|shipped-medusa|shipped-bench|shipped-dflash|block-bench|llama-costs|llama-bench|llama-regenerate" >&2
+  echo "usage: $0 prompts|regenerate|eagle|medusa|distill|bench|distill-fixed|shipped-eagle3|shipped-medusa|shipped-bench|shipped-dflash|block-bench|llama-costs|llama-bench|llama-cross-check|llama-regenerate" >&2
   exit 2
   ;;
 esac

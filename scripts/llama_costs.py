@@ -8,7 +8,8 @@
   draftsmith's engine (eval.tree_cost.measure_verify_cost, the fp32 target through
   transformers);
 * a draft step: each shipped draft served by llama-server (``-lv 4`` prints the drafting time
-  of every request), milliseconds per drafted token; and the same drafts' proposal in our engine.
+  of every request), milliseconds per drafted token (our engine's draft costs are in each
+  artifact's tree_calibration.json and in ``--tree auto``'s output).
 
 Every figure is a median of repeated timings; run it on an otherwise idle machine.
 """

@@ -1,6 +1,6 @@
 """Answers per minute of `train.data regenerate` in this process against llama-server's slots.
 
-    python scripts/regenerate_speed.py --prompts data/train/sharegpt_first_turns.json \
+    python scripts/regenerate_speed.py --prompts data/train/selfdistill_prompts.jsonl \
         --num-prompts 64 --max-new-tokens 128 --out reports/regenerate_speed.json
 
 The same prompts (first turns only), greedy, the same token limit, for each backend in turn on
@@ -43,13 +43,14 @@ def regenerate(args: list[str], out: Path, threads: int) -> float:
 
 def answers(path: Path, tokenizer) -> list[list[int]]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows.sort(key=lambda row: row["prompt_index"])  # concurrent requests finish out of order
     return [tokenizer.encode(row["messages"][-1]["content"], add_special_tokens=False)
             for row in rows]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--prompts", default="data/train/sharegpt_first_turns.json")
+    parser.add_argument("--prompts", default="data/train/selfdistill_prompts.jsonl")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16, help="hf: prompts per generate")
