@@ -73,14 +73,20 @@ def tiny_llama_dir(path, tokenizer, seed: int = 0, layers: int = 4):
     return model
 
 
-def fit_eagle(head, target, rows, cfg, steps: int = 60):
-    """A few AdamW steps of the EAGLE-3 loss on these rows (every position scored)."""
+def padded(rows):
+    """Token rows right-padded into (ids, attention mask)."""
     width = max(map(len, rows))
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, row in enumerate(rows):
         ids[i, :len(row)] = torch.tensor(row)
         mask[i, :len(row)] = 1
+    return ids, mask
+
+
+def fit_eagle(head, target, rows, cfg, steps: int = 60):
+    """A few AdamW steps of the EAGLE-3 loss on these rows (every position scored)."""
+    ids, mask = padded(rows)
     batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask.clone()}
     batch.update(target_features(target, ids, mask, cfg))
     optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3)
@@ -95,12 +101,7 @@ def fit_eagle(head, target, rows, cfg, steps: int = 60):
 
 def fit_block(draft, target, rows, steps: int = 80):
     """A few AdamW steps of the block loss on these rows (every position scored)."""
-    width = max(map(len, rows))
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(rows):
-        ids[i, :len(row)] = torch.tensor(row)
-        mask[i, :len(row)] = 1
+    ids, mask = padded(rows)
     _, states = target.features(ids, [*draft.config.hidden_states_read, target.num_layers], mask)
     batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask.clone(),
              "features": torch.cat(states[:-1], -1), "last_hidden": states[-1]}
