@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The 9k self-distillation set: the embedded target's greedy answers (256 new tokens at most) to
+# data/train/selfdistill9k_prompts.jsonl, through two llama-servers (the f32 GGUF of the target,
+# one thread and 32 parallel slots each: single-threaded servers share a 2-core machine without
+# spinning at barriers), one shard each. Rerun to continue where the shards stop; then
+#   python -m train.data merge --out data/train/selfdistill9k_answers.jsonl
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+SLOTS=${SLOTS:-32}
+OUT=${OUT:-data/train/selfdistill9k_answers.jsonl}
+LOGS=${LOGS:-runs/regen9k}
+mkdir -p "$LOGS"
+server=$($PYTHON -m layouts.llama_cpp where | head -1)
+gguf=$($PYTHON -m layouts.llama_cpp target-gguf smollm2-135m --type f32 | tail -1)
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
+trap cleanup EXIT
+for shard in 0 1; do
+  port=$((8091 + shard))
+  "$server" -m "$gguf" -np "$SLOTS" -c $((SLOTS * 1024)) --alias smollm2 -t 1 --poll 0 \
+    --host 127.0.0.1 --port "$port" > "$LOGS/server-$shard.log" 2>&1 &
+  pids+=($!)
+done
+for shard in 0 1; do
+  port=$((8091 + shard))
+  until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do sleep 1; done
+done
+workers=()
+for shard in 0 1; do
+  port=$((8091 + shard))
+  $PYTHON -m train.data regenerate --backend openai --url "http://127.0.0.1:$port/v1" \
+    --model smollm2 --target smollm2-135m --data data/train/selfdistill9k_prompts.jsonl \
+    --out "$OUT" --shard "$shard/2" --concurrency "$SLOTS" --max-new-tokens 256 \
+    --temperature 0 > "$LOGS/regenerate-$shard.log" 2>&1 &
+  workers+=($!)
+done
+status=0
+for w in "${workers[@]}"; do wait "$w" || status=$?; done
+exit $status
