@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 from heads.target import load_target, resolve_target
 from train import regenerate as regeneration
 from train.regenerate import regenerate
-from train.regenerate_backends import Answer, OpenAIBackend, check_server_tokens
+from train.regenerate_backends import Answer, BadAnswer, OpenAIBackend, check_server_tokens
 
 pytest.importorskip("fastapi", reason="needs the serve extra: pip install -e '.[serve]'")
 pytest.importorskip("uvicorn", reason="needs the serve extra: pip install -e '.[serve]'")
@@ -201,8 +201,95 @@ def test_5xx_answers_are_retried_with_backoff(tokenizer):
         assert (answer.text, answer.finished, _Flaky.calls) == ("hi", True, 3)
         _Flaky.calls = 0
         impatient = OpenAIBackend(url, "m", tokenizer, retries=1, backoff=0.0)
-        with pytest.raises(ConnectionError, match="failed 2 times, last with HTTP 503"):
+        with pytest.raises(BadAnswer, match="failed 2 times, last with HTTP 503"):
             impatient.answer([{"role": "user", "content": "hello"}], max_new_tokens=4,
                              temperature=0.0, top_p=1.0, seed=0)
     finally:
         httpd.shutdown()
+
+
+class _Unreliable(http.server.BaseHTTPRequestHandler):
+    """Serves model "m"; answers each prompt as its text asks: "empty" with nothing, "cut" cut
+    short by the server (finish_reason length after 2 of the tokens asked), "boom" with HTTP 500,
+    "abort" with finish_reason "abort", "impostor" as another model, anything else properly.
+    ``healed`` prompts are answered properly from now on."""
+
+    healed: set[str] = set()
+
+    def _send(self, code: int, payload: dict | bytes) -> None:
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        self._send(200, {"data": [{"id": "m"}]})
+
+    def do_POST(self):  # noqa: N802
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        asked = request["messages"][-1]["content"]
+        text, reason, model = f"an answer to {asked}", "stop", "m"
+        if asked not in self.healed:
+            if asked == "boom":
+                return self._send(500, b"internal error")
+            text = {"empty": "", "cut": "half an"}.get(asked, text)
+            reason = {"cut": "length", "abort": "abort"}.get(asked, reason)
+            model = "other" if asked == "impostor" else model
+        self._send(200, {"model": model, "choices": [{"message": {"role": "assistant",
+                                                                  "content": text},
+                                                      "finish_reason": reason}],
+                         "usage": {"completion_tokens": 2 if reason == "length" else None}})
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture()
+def unreliable():
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Unreliable)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    _Unreliable.healed = set()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    finally:
+        httpd.shutdown()
+
+
+def test_unusable_answers_are_retried_reported_per_row_and_never_written(unreliable, tokenizer,
+                                                                          tmp_path):
+    asks = ["fine", "empty", "cut", "boom", "abort", "also fine"]
+    prompts = [[{"role": "user", "content": ask}] for ask in asks]
+    backend = OpenAIBackend(unreliable, "m", tokenizer, concurrency=3, retries=1, backoff=0.0)
+    out = tmp_path / "answers.jsonl"
+    with pytest.raises(ValueError, match=r"4 of 6 conversations were not written .*prompt "
+                                         r"indices 1, 2, 3, 4.*rerun the same command") as err:
+        regenerate(backend, prompts, out, max_new_tokens=8, temperature=0.0, progress=False,
+                   shard=(0, 1))
+    for why in ("empty", "after 2 of 8 tokens", "HTTP 500", "finish_reason 'abort'"):
+        assert why in str(err.value)
+    assert sorted(by_index(out)) == [0, 5]  # the usable rows are kept, the others not written
+
+    # sharded: the shard with failures is not marked finished, so it is not merged
+    with pytest.raises(ValueError, match="2 of 3 conversations were not written"):
+        regenerate(backend, prompts, tmp_path / "sharded.jsonl", max_new_tokens=8,
+                   temperature=0.0, progress=False, shard=(1, 2))
+    assert not (tmp_path / "sharded.shard-1-of-2.jsonl.done").exists()
+
+    # a rerun asks for the failed ones only, and writes them once they are usable
+    _Unreliable.healed = {"empty", "cut", "boom", "abort"}
+    assert regenerate(backend, prompts, out, max_new_tokens=8, temperature=0.0,
+                      progress=False) == 4
+    rows = by_index(out)
+    assert sorted(rows) == list(range(6))
+    assert rows[1]["messages"][-1]["content"] == "an answer to empty"
+
+
+def test_a_server_answering_as_another_model_stops_the_run(unreliable, tokenizer, tmp_path):
+    prompts = [[{"role": "user", "content": "fine"}], [{"role": "user", "content": "impostor"}]]
+    backend = OpenAIBackend(unreliable, "m", tokenizer, concurrency=1, retries=0)
+    out = tmp_path / "answers.jsonl"
+    with pytest.raises(ValueError, match="answered as 'other': another model would write"):
+        regenerate(backend, prompts, out, max_new_tokens=8, temperature=0.0, progress=False)
+    assert sorted(by_index(out)) == [0]

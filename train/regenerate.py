@@ -45,8 +45,10 @@ from train.data import (
 )
 from train.regenerate_backends import (
     Answer,
+    BadAnswer,
     HFBackend,
     OpenAIBackend,
+    answer_problem,
     check_server_tokens,
 )
 
@@ -126,6 +128,7 @@ class _Conversation:
     finished: bool = True
     cut: bool = False
     next_ids: list[int] | None = None
+    failure: str | None = None  # why a turn's answer could not be a training row
 
     def next_input(self) -> list[dict]:
         return [*self.messages, *self.turns[self.answered]]
@@ -275,6 +278,12 @@ def regenerate(
     Rerunning with the same prompts and shard continues where the file stops; a process killed
     at any moment loses only the conversations in flight. ``temperature`` 0 is greedy. Returns
     the number of conversations answered by this call.
+
+    A turn whose answer cannot be a training row (:class:`~train.regenerate_backends.BadAnswer`:
+    empty, cut short by the server, ended abnormally, a request the server kept failing) is asked
+    once more; if it fails again its conversation is not written, the others go on, and at the
+    end a ValueError names the failed prompts and why (a shard with failures is not marked
+    finished, so it is not merged; rerunning asks for them again).
     """
     if isinstance(backend, Target):
         backend = HFBackend(backend, batch_size=batch_size)
@@ -312,9 +321,13 @@ def regenerate(
     settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     skipped: list[int] = []
     cut: list[int] = []
+    failed: dict[int, str] = {}
     writer = _Writer(out)
 
     def finish(conversation: _Conversation) -> None:
+        if conversation.failure is not None:
+            failed[conversation.index] = conversation.failure
+            return
         writer.write(conversation.record())
         if conversation.cut:
             cut.append(conversation.index)
@@ -331,7 +344,7 @@ def regenerate(
                 _converse_batched(backend, todo, limit, seed, settings, finish, skipped, bar)
     finally:
         writer.close()
-    answered = len(todo) - len(skipped)
+    answered = len(todo) - len(skipped) - len(failed)
     if progress:
         where = f"shard {index}/{count} " if count > 1 else ""
         print(f"[draftsmith] {where}answered {answered} conversations into {out}" + (
@@ -339,6 +352,14 @@ def regenerate(
             f"prompt indices {examples(cut)})" if cut else "") + (
             f"; {len(skipped)} skipped, their first turn + max_new_tokens > {limit} tokens "
             f"(prompt indices {examples(skipped)})" if skipped else ""), flush=True)
+    if failed:
+        shown = sorted(failed)[:5]
+        reasons = "; ".join(f"prompt {i}: {failed[i]}" for i in shown)
+        raise ValueError(
+            f"{len(failed)} of {len(todo)} conversations were not written to {out}, their answers "
+            f"being unusable as training rows (prompt indices {examples(sorted(failed))}): "
+            f"{reasons}{' ...' if len(failed) > len(shown) else ''}. The other {answered} are "
+            f"written; rerun the same command to ask for the failed ones again")
     if count > 1:
         finished_mark.write_text(json.dumps({"shard": [index, count], "prompts": len(prompts),
                                              "skipped": skipped}))
@@ -369,6 +390,13 @@ def _converse_batched(backend: HFBackend, todo, limit, seed, settings, finish, s
             answers = backend.answer_batch([c.next_ids for c in active], **settings)
             still = []
             for conversation, prompt, answer in zip(active, inputs, answers, strict=True):
+                problem = answer_problem(answer, settings["max_new_tokens"],
+                                         "stop" if answer.finished else "length")
+                if problem:  # greedy or seeded: asking again would give the same answer
+                    conversation.failure = problem
+                    finish(conversation)
+                    bar.update(1)
+                    continue
                 conversation.add(prompt, answer)
                 if _prepare(conversation, backend, limit, settings["max_new_tokens"]) == "more":
                     still.append(conversation)
@@ -383,11 +411,21 @@ def _converse_concurrently(backend: OpenAIBackend, todo, limit, seed, settings, 
     """Each conversation is one task answering its turns in order; ``concurrency`` tasks run at
     once. The first turn of the first conversation is asked alone and checked first."""
 
+    def ask(conversation: _Conversation, prompt: list[dict]) -> Answer:
+        request_seed = _request_seed(seed, conversation.index, conversation.answered)
+        try:
+            return backend.answer(prompt, seed=request_seed, **settings)
+        except BadAnswer:  # once more: a server that failed or cut short may answer now
+            return backend.answer(prompt, seed=request_seed, **settings)
+
     def converse(conversation: _Conversation, check: bool = False) -> tuple[_Conversation, str]:
         while (status := _prepare(conversation, backend, limit, settings["max_new_tokens"])) == "more":
             prompt = conversation.next_input()
-            answer = backend.answer(prompt, seed=_request_seed(seed, conversation.index,
-                                                               conversation.answered), **settings)
+            try:
+                answer = ask(conversation, prompt)
+            except BadAnswer as err:
+                conversation.failure = str(err)
+                return conversation, "failed"
             if check and conversation.answered == 0:
                 check_server_tokens(backend.tokenizer, prompt, answer)
             conversation.add(prompt, answer)
@@ -396,10 +434,13 @@ def _converse_concurrently(backend: OpenAIBackend, todo, limit, seed, settings, 
         return conversation, status
 
     rest = list(todo)
-    while rest:  # the check: the first conversation whose first turn fits
+    while rest:  # the check: the first conversation whose first turn fits and is answered
         conversation, status = converse(rest.pop(0), check=True)
-        if status == "skip":
-            skipped.append(conversation.index)
+        if status in ("skip", "failed"):
+            if status == "skip":
+                skipped.append(conversation.index)
+            else:
+                finish(conversation)
             bar.update(1)
             continue
         rest.insert(0, conversation)

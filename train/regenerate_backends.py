@@ -5,6 +5,11 @@ OpenAI-compatible server (vLLM, SGLang, llama-server, transformers serve).
 * :class:`OpenAIBackend`: ``/chat/completions`` over HTTP with retries and exponential backoff;
   :func:`check_server_tokens` checks once that the server tokenises and templates as the target
   does, so the answers train the head on the tokens the target would see.
+
+An answer that cannot be a training row (empty, cut short by the server, ended abnormally, or a
+request the server keeps failing) is a :class:`BadAnswer`: its conversation is counted and left
+unwritten while the run goes on. A server that cannot be reached, or that answers as another
+model, stops the run.
 """
 
 from __future__ import annotations
@@ -36,6 +41,44 @@ class Answer:
     completion_tokens: int | None = None
 
 
+class BadAnswer(ValueError):
+    """This request's answer cannot be a training row; the conversation is reported, not
+    written, and the next run asks for it again."""
+
+
+class ServerFailed(ConnectionError):
+    """The server answered this request with 429 / 5xx through every retry (it is reachable:
+    the failure belongs to the request)."""
+
+
+# finish reasons that end an answer normally: by itself ("stop"; "eos" in some servers) or at
+# max_tokens ("length", checked against the token count the server reports)
+_NORMAL_ENDS = ("stop", "eos", "length")
+
+
+def answer_problem(answer: Answer, max_new_tokens: int, reason: str | None = "stop") -> str | None:
+    """Why ``answer`` cannot be a training row, or None: empty, an abnormal finish reason, or
+    ``length`` before ``max_new_tokens`` tokens (the server ran out of context for its slot)."""
+    if not answer.text:  # (whitespace is text: a model may well answer with line breaks)
+        return "the answer is empty"
+    if reason not in _NORMAL_ENDS:
+        return f"the answer ended with finish_reason {reason!r}"
+    if (reason == "length" and answer.completion_tokens is not None
+            and answer.completion_tokens < max_new_tokens):
+        return (f"the server cut the answer after {answer.completion_tokens} of {max_new_tokens} "
+                f"tokens (finish_reason 'length': its context per slot is full; give the server "
+                f"a larger context per parallel slot)")
+    return None
+
+
+def same_model(asked: str, served: str | None) -> bool:
+    """Whether a reply's ``model`` names the model asked for: equal, or one of them is the other
+    with a revision (``org/model`` and ``org/model@main``); a reply without one is believed."""
+    if served is None or served == asked:
+        return True
+    return served.startswith(asked + "@") or asked.startswith(served + "@")
+
+
 class HFBackend:
     """Answers with ``generate`` on a loaded target: one turn of ``batch_size`` conversations per
     call, left-padded."""
@@ -56,7 +99,7 @@ class HFBackend:
         pad_id = self.tokenizer.pad_token_id
         pad_id = self.target.eos_token_ids[0] if pad_id is None else pad_id
         answers = generate_batch(self.target, prompts, pad_id, max_new_tokens, temperature, top_p)
-        return [Answer(text, finished) for text, finished in answers]
+        return [Answer(text, finished) for text, finished in answers]  # checked by the caller
 
 
 class OpenAIBackend:
@@ -114,12 +157,13 @@ class OpenAIBackend:
                     hint = " (does --url end in /v1?)" if err.code == 404 else ""
                     raise ValueError(f"{method} {url} was refused with HTTP {err.code}{hint}: "
                                      f"{detail}") from None
-                problem = f"HTTP {err.code}: {detail}"
+                problem, failure = f"HTTP {err.code}: {detail}", ServerFailed
             except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
                 problem = str(getattr(err, "reason", None) or err) or type(err).__name__
+                failure = ConnectionError
             if attempt == retries:
-                raise ConnectionError(f"{method} {url} failed {attempt + 1} times, last with "
-                                      f"{problem}; check that the server runs at {self.url}")
+                raise failure(f"{method} {url} failed {attempt + 1} times, last with {problem}; "
+                              f"check that the server runs at {self.url}")
             time.sleep(min(self.backoff * 2**attempt, 60.0))
         try:
             return json.loads(payload)
@@ -141,17 +185,28 @@ class OpenAIBackend:
                 "temperature": temperature, "seed": seed, "stream": False}
         if temperature > 0:
             body["top_p"] = top_p
-        reply = self.request("POST", "/chat/completions", body)
+        try:
+            reply = self.request("POST", "/chat/completions", body)
+        except ServerFailed as err:
+            raise BadAnswer(str(err)) from None
+        if not same_model(self.model, reply.get("model")):
+            raise ValueError(f"asked {self.url} for model {self.model!r}, it answered as "
+                             f"{reply.get('model')!r}: another model would write these rows; "
+                             f"serve the target alone, or pass the name it serves as --model")
         try:
             choice = reply["choices"][0]
             text = choice["message"]["content"] or ""
             reason = choice.get("finish_reason")
         except (KeyError, IndexError, TypeError):
-            raise ValueError(f"{self.url}/chat/completions answered without a message: "
-                             f"{json.dumps(reply)[:300]}") from None
+            raise BadAnswer(f"{self.url}/chat/completions answered without a message: "
+                            f"{json.dumps(reply)[:300]}") from None
         usage = reply.get("usage") or {}
-        return Answer(text, reason == "stop", usage.get("prompt_tokens"),
-                      usage.get("completion_tokens"))
+        answer = Answer(text, reason in ("stop", "eos"), usage.get("prompt_tokens"),
+                        usage.get("completion_tokens"))
+        problem = answer_problem(answer, max_new_tokens, reason)
+        if problem:
+            raise BadAnswer(problem)
+        return answer
 
 
 def _template_ids(tokenizer, messages: list[dict]) -> list[int]:
