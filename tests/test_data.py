@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import gzip
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -481,3 +482,21 @@ def test_a_data_file_with_a_non_utf8_byte_is_named(tmp_path):
     broken.write_text('{"question": "a", "answer": "b"}\n{"question": \n')
     with pytest.raises(FileFormatError, match=r"broken.jsonl: line 2 is not valid JSON"):
         read_conversations([str(broken)])
+
+
+def test_gzip_compressed_data_files_read_as_their_contents(every_format, tmp_path):
+    plain = [every_format["messages"], every_format["alpaca"]]
+    packed = []
+    for path in plain:
+        target = tmp_path / (Path(path).name + ".gz")
+        target.write_bytes(gzip.compress(Path(path).read_bytes()))
+        packed.append(str(target))
+    unpacked, _ = read_conversations(plain)
+    read, report = read_conversations(packed)
+    assert [c["messages"] for c in read] == [c["messages"] for c in unpacked]
+    assert report.totals() == read_conversations(plain)[1].totals()
+
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(Path(packed[0]).read_bytes()[:-12])
+    with pytest.raises(FileFormatError, match=r"cut.jsonl.gz: is not a whole gzip file"):
+        read_conversations([str(cut)])

@@ -48,11 +48,13 @@ from __future__ import annotations
 import bisect
 import contextlib
 import fcntl
+import gzip
 import hashlib
 import json
 import os
 import shutil
 import sys
+import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -294,9 +296,13 @@ def _source_list(sources: str | os.PathLike | Iterable[str | os.PathLike]) -> li
     return names
 
 
+# local data files: JSON (an array of rows) or JSONL, each also gzip-compressed
+LOCAL_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
+
+
 def _is_local(source: str) -> bool:
     path = Path(source).expanduser()
-    return (path.exists() or path.suffix in (".json", ".jsonl")
+    return (path.exists() or path.name.endswith(LOCAL_SUFFIXES)
             or source.startswith((".", "/", "~")) or source.count("/") > 1)
 
 
@@ -324,6 +330,12 @@ def _read_rows(source: str) -> Sequence:
         return _hub_dataset(source)
     path = _local_path(source)
     data = path.read_bytes()
+    if path.suffix == ".gz":
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as err:
+            raise FileFormatError(path, f"is not a whole gzip file ({err})", "compress it again "
+                                  "with gzip, or give the uncompressed JSON/JSONL file") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
