@@ -357,6 +357,28 @@ def test_online_and_offline_features_give_the_same_first_step(files, whole_run, 
                 assert offline_first[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
+def test_packing_trains_the_unpacked_steps(files, tmp_path):
+    """packing: true lays each micro-batch's rows end to end (no padding): the same losses,
+    accuracies and weights as padded batches, online and from the offline cache."""
+    common = dict(max_steps=2, eval_every=0, save_every=0, lr_schedule="constant")
+    main(config(files, tmp_path / "padded", **common))
+    main(config(files, tmp_path / "packed", packing="true", **common))
+    main(config(files, tmp_path / "cached", packing="true", feature_mode="offline",
+                feature_dtype="fp32", feature_cache_dir=str(tmp_path / "cache"), **common))
+    padded = losses(tmp_path / "padded")
+    assert all(r["padding"] > 0 for r in padded)
+    weights = load_file(str(tmp_path / "padded/artifact/model.safetensors"))
+    for run in ("packed", "cached"):
+        got = losses(tmp_path / run)
+        assert [r["padding"] for r in got] == [0, 0]
+        for a, b in zip(padded, got, strict=True):
+            for key in ("loss", "ce_loss_0", "acc_0", "ce_loss_2", "tokens"):
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (run, key)
+        packed = load_file(str(tmp_path / run / "artifact/model.safetensors"))
+        for name, tensor in weights.items():
+            torch.testing.assert_close(packed[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_loss_falls_on_a_repeated_batch(files, tmp_path):
     main(config(files, tmp_path, data=files["repeated"], max_steps=20, per_device_batch_size=2,
                 eval_every=0, save_every=0, lr_schedule="constant", learning_rate=1e-2))

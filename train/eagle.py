@@ -68,6 +68,7 @@ from heads.eagle import (
 )
 from heads.eagle_loss import EagleLoss, target_features
 from heads.target import Target
+from heads.ttt_attention import resolve_backend
 from train.batches import make_batches, row_sizes
 from train.config import TrainConfig, option, parse_config
 from train.data import load_sft_dataset
@@ -109,6 +110,15 @@ class EagleTrainConfig(TrainConfig):
     feature_dtype: Literal["bf16", "fp32"] = option(
         "bf16", "offline mode: the dtype the cache stores features in (bf16 halves the disk; "
         "the head reads them in its own precision)", may_change_on_resume=True)
+    packing: bool = option(
+        False, "lay the rows of a micro-batch end to end in one row (no padding; a token budget "
+        "counts real tokens); every position attends within its own row, so the loss is the "
+        "unpacked one")
+    attention: Literal["auto", "flex", "sdpa"] = option(
+        "auto", "test-time attention kernel: flex (flex attention with a block mask, compiled; "
+        "GPU only: torch has no flex backward on a CPU), sdpa (fused scaled_dot_product_attention "
+        "with the diagonal as extra keys), auto (flex on a GPU, sdpa on a CPU)",
+        may_change_on_resume=True)
     tree_depth: int = option(DEFAULT_DEPTH, "evaluation: EAGLE-2 tree depth",
                              may_change_on_resume=True)
     tree_topk: int = option(DEFAULT_TOPK, "evaluation: children per expanded tree node",
@@ -178,8 +188,13 @@ def check_resumed_vocabulary(head: EagleHead, d2t: torch.Tensor, t2d: torch.Tens
     draft_vocab.check_same_vocabulary((head.d2t, head.t2d), (d2t, t2d), resumed_from)
 
 
-# ------------------------------------------------------------------------------------------------
-# The run
+def check_attention(setting: str, device) -> str:
+    """The test-time attention kernel of a run on ``device``; flex is refused on a CPU."""
+    kernel = resolve_backend(setting, device)
+    if kernel == "flex" and device.type == "cpu":
+        raise ValueError("config key 'attention' is flex, but torch has no flex-attention "
+                         "backward on a CPU; set attention: sdpa (or auto) to train here")
+    return kernel
 
 
 # ------------------------------------------------------------------------------------------------
@@ -245,12 +260,13 @@ def build(cfg: EagleTrainConfig) -> Recipe:
     model = EagleLoss(head, steps=cfg.ttt_steps, decay=cfg.ttt_decay,
                       feature_noise=cfg.feature_noise, ce_weight=cfg.ce_weight,
                       chunk_size=cfg.loss_chunk_size,
-                      gradient_checkpointing=cfg.gradient_checkpointing)
+                      gradient_checkpointing=cfg.gradient_checkpointing,
+                      attention=check_attention(cfg.attention, accelerator.device))
 
     def step(model, batch: dict, micro_index: int) -> StepOutput:
         if cfg.feature_mode == "online":  # (B, S, F) features and (B, S, h) last hidden
             batch.update(target_features(target, batch["input_ids"], batch["attention_mask"],
-                                         config))
+                                         config, position_ids=batch.get("position_ids")))
         loss, parts = model(batch, reduction="sum")
         tokens = parts.pop("tokens")  # predicted positions of this micro-batch (step 0)
         logged = {}

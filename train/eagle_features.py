@@ -71,7 +71,7 @@ from tqdm.auto import tqdm
 from heads.eagle import EagleConfig
 from heads.eagle_loss import target_features
 from heads.target import Target, dtype_name
-from train.data import collate_causal_lm
+from train.data import collate_causal_lm, pack_rows
 
 FORMAT = "draftsmith-feature-cache"
 CACHE_VERSION = 3
@@ -501,12 +501,18 @@ class FeatureCache(Dataset):
         return row
 
 
-def collate_features(rows: Sequence[Mapping], pad_token_id: int) -> dict[str, torch.Tensor]:
+def collate_features(rows: Sequence[Mapping], pad_token_id: int,
+                     packed: bool = False) -> dict[str, torch.Tensor]:
     """Right-padded batch of cached rows with the keys of an online batch.
 
     input_ids, attention_mask, loss_mask, labels as ``collate_causal_lm``; features (B, S, F) and
-    last_hidden (B, S, h) zero-padded (EAGLE-1: last_hidden is features).
+    last_hidden (B, S, h) zero-padded (EAGLE-1: last_hidden is features). ``packed``: the rows
+    end to end in one row with their position_ids (:func:`train.data.pack_rows`).
     """
+    if packed:
+        batch = pack_rows(rows, keys=[k for k in ("features", "last_hidden") if k in rows[0]])
+        batch.setdefault("last_hidden", batch["features"])
+        return batch
     batch = collate_causal_lm(rows, pad_token_id)
     width = batch["input_ids"].shape[1]
     for key in ("features", "last_hidden"):
@@ -543,8 +549,9 @@ def feature_cache_dir(cfg) -> Path:
 def feature_rows(cfg, accelerator, target: Target, dataset, config, pad_id: int):
     """(rows, collate) of a run: the tokenised dataset (online: the target runs in the step), or
     the feature cache, written first by every process at once (offline)."""
+    packed = bool(getattr(cfg, "packing", False))
     if cfg.feature_mode != "offline":
-        return dataset, partial(collate_causal_lm, pad_token_id=pad_id)
+        return dataset, partial(collate_causal_lm, pad_token_id=pad_id, packed=packed)
     directory = feature_cache_dir(cfg)
     write_feature_cache(target, dataset, directory, config,
                         process_index=accelerator.process_index,
@@ -553,4 +560,5 @@ def feature_rows(cfg, accelerator, target: Target, dataset, config, pad_id: int)
                         dtype=torch.bfloat16 if cfg.feature_dtype == "bf16" else torch.float32,
                         progress=accelerator.is_main_process)
     accelerator.wait_for_everyone()
-    return FeatureCache(directory, config, target), partial(collate_features, pad_token_id=pad_id)
+    return FeatureCache(directory, config, target), partial(collate_features, pad_token_id=pad_id,
+                                                            packed=packed)

@@ -197,7 +197,7 @@ def run_training(cfg, accelerator: Accelerator, *, model: nn.Module, batches: Tr
                 for name, (total, count) in out.metrics.items():
                     metrics.add(name, total, count)
                 metrics.count_tokens(batch["attention_mask"].sum())
-            real, padded = padded_tokens(plan.lengths, planned.micro_batches)
+            real, padded = padded_tokens(plan.lengths, planned.micro_batches, plan.packed)
             metrics.add("padding", padded - real, padded)
             state.step += 1
             state.rows_seen += planned.rows()
