@@ -222,6 +222,17 @@ def memory_parts(cfg, target: Shape, sizes: StepSizes) -> dict[str, float]:
         sizes.optimizer(trained)
     parts[f"head activations ({steps} test-time step{'s' if steps > 1 else ''})"] = \
         kept * n
+    # the attention's own inputs, kept for its backward: flex lays every earlier step's keys and
+    # values beside step i's (1 + 2 + ... + steps copies); the SDPA kernel reads the step-0 ones
+    # (with the diagonal sinks) at each step, plus a (n, n + i) bool mask per step for packed
+    # rows, which need documents told apart
+    if resolve_backend(getattr(cfg, "attention", "auto"), torch.device(sizes.device)) == "flex":
+        kernel, attention = "flex", 2 * target.kv_dim * act * steps * (steps + 1) / 2
+    else:
+        kernel, attention = "sdpa", 2 * target.kv_dim * act * steps
+        if getattr(cfg, "packing", False):
+            attention += steps * n  # bytes per token of the masks
+    parts[f"test-time attention activations ({kernel})"] = attention * n
     parts["target forward and features"] = sizes.target_forward + features * n
     parts[f"loss chunk ({min(cfg.loss_chunk_size, n)} x {draft_vocab})"] = \
         sizes.loss_chunk(cfg, draft_vocab)
@@ -236,7 +247,7 @@ MEMORY = MemoryModel(memory_parts, shrink_keys=(
 def build(cfg: EagleTrainConfig) -> Recipe:
     """The run, ready to train: target, data, head, loss, evaluation and export."""
     accelerator = start_run(cfg, MEMORY)  # seeds first, then the memory check
-    target = load_feature_target(cfg, accelerator.device)  # frozen; never prepared
+    target = load_feature_target(cfg, accelerator)  # frozen; never prepared
     pad_id = target.tokenizer.pad_token_id
     pad_id = target.eos_token_ids[0] if pad_id is None else pad_id
 
