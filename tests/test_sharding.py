@@ -45,7 +45,7 @@ def without_fsdp() -> dict[str, str]:
 def torchrun(script: str, cfg, *, fsdp2: bool, processes: int = 2) -> None:
     """``cfg`` run by ``processes`` CPU processes (gloo), as a subprocess with a time limit."""
     argv = [f"--{k}={','.join(map(str, v)) if isinstance(v, list) else v}"
-            for k, v in config_to_dict(cfg).items() if v is not None]
+            for k, v in config_to_dict(cfg).items() if v is not None and v != []]
     env = {**without_fsdp(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
            **(fsdp2_env() if fsdp2 else {})}
     done = subprocess.run(

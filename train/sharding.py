@@ -120,10 +120,11 @@ def target_mesh(device: torch.device, target_parallel: int):
 
 
 def shard_trained(module: nn.Module, plan: ShardingPlan, device: torch.device) -> nn.Module:
-    """``fully_shard`` the trained module over every process: each entry of its module lists
-    (decoder layers, Medusa heads) is a unit of its own, the rest is the root's. bf16 compute
-    with fp32 gradient reductions under bf16 mixed precision. Alone (no process group) the
-    module stays whole."""
+    """``fully_shard`` the trained module over every process, as one unit: its weights are
+    gathered for its forward and backward and freed after (losses read some of them outside any
+    submodule's forward: a Medusa head's projection, an EAGLE layer's q/k/v, so no submodule is
+    a unit of its own). bf16 compute with fp32 gradient reductions under bf16 mixed precision.
+    Alone (no process group) the module stays whole."""
     mesh = world_mesh(device)
     if mesh is None:
         return module
@@ -131,14 +132,8 @@ def shard_trained(module: nn.Module, plan: ShardingPlan, device: torch.device) -
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if plan.bf16 else MixedPrecisionPolicy()
-    options = dict(mesh=mesh, reshard_after_forward=plan.reshard_after_forward,
-                   mp_policy=policy)
-    for child in list(module.modules()):
-        if isinstance(child, nn.ModuleList):
-            for unit in child:
-                if any(p.requires_grad for p in unit.parameters()):
-                    fully_shard(unit, **options)
-    fully_shard(module, **options)
+    fully_shard(module, mesh=mesh, reshard_after_forward=plan.reshard_after_forward,
+                mp_policy=policy)
     return module
 
 
