@@ -7,6 +7,7 @@ how, is train/sharding.py (torch's FSDP2 and device meshes). A trainer calls
 
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import timedelta
 
@@ -88,3 +89,16 @@ def make_accelerator(cfg) -> Accelerator:
     )
     set_seed(cfg.seed)
     return accelerator
+
+
+def attention_kernels(cfg):
+    """The SDPA kernels a training step may use: all of them, or with ``fused_attention_only``
+    the fused ones alone (flash, memory-efficient, cuDNN), so that a fall-back to the math
+    kernel fails loudly instead of materialising (B, H, n, n) scores."""
+    if not getattr(cfg, "fused_attention_only", False):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                        SDPBackend.CUDNN_ATTENTION])
+

@@ -499,6 +499,11 @@ class TrainConfig:
     gradient_checkpointing: bool = option(
         False, "recompute the trained module's activations in the backward pass instead of "
         "keeping them (less memory, about a third more compute)", may_change_on_resume=True)
+    fused_attention_only: bool = option(
+        False, "run every scaled_dot_product_attention of a step (the target's, the trained "
+        "module's) in the fused kernels only (flash, memory-efficient, cuDNN): a step that would "
+        "fall back to the math kernel, which materialises the whole score matrix, fails instead "
+        "(a GPU check: scripts/gpu_check.sh)", may_change_on_resume=True)
     target_parallel: int = option(
         1, "processes that hold one copy of the frozen target between them (FSDP2 shards of its "
         "decoder layers, gathered one layer at a time; every process keeps its own batch): 1 = a "

@@ -40,7 +40,7 @@ from torch import nn
 
 from heads.artifact import save_artifact
 from heads.command_line import shell_command
-from train.accelerator import make_accelerator
+from train.accelerator import attention_kernels, make_accelerator
 from train.batches import TrainBatches, loss_scale, padded_tokens
 from train.checkpoints import Checkpointer, TrainState, check_resume_layout
 from train.estimate import MemoryModel, check_fits
@@ -211,7 +211,7 @@ def run_training(cfg, accelerator: Accelerator, *, model: nn.Module, batches: Tr
                 micro_index = index * accumulation + slot
                 with accelerator.accumulate(model), gradient_sync(model,
                                                                   accelerator.sync_gradients):
-                    with accelerator.autocast():
+                    with accelerator.autocast(), attention_kernels(cfg):
                         out = step(model, batch, micro_index)
                     accelerator.backward(out.loss * scale)
                     if accelerator.sync_gradients and cfg.max_grad_norm > 0:

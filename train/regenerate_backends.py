@@ -10,6 +10,7 @@ OpenAI-compatible server (vLLM, SGLang, llama-server, transformers serve).
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import threading
 import time
@@ -63,7 +64,8 @@ class OpenAIBackend:
     """Answers through an OpenAI-compatible server's ``/chat/completions`` (vLLM, SGLang, TGI,
     ``transformers serve``), ``concurrency`` requests in flight.
 
-    ``url`` ends in ``/v1``. The server applies its own chat template; ``tokenizer`` is the
+    ``url`` ends in ``/v1``; a list of them spreads the conversations over several servers (one
+    per node, say), taken in turn. The server applies its own chat template; ``tokenizer`` is the
     target's, which counts what fits in ``max_context`` and checks on the first answer that the
     server's template and tokenizer give the tokens training will see
     (:func:`check_server_tokens`). Connection errors, HTTP 429 and 5xx are retried ``retries``
@@ -71,17 +73,21 @@ class OpenAIBackend:
     ValueError with the server's message. ``api_key`` is sent as a bearer token when given.
     """
 
-    def __init__(self, url: str, model: str, tokenizer, *, concurrency: int = 8,
+    def __init__(self, url: str | list[str], model: str, tokenizer, *, concurrency: int = 8,
                  max_context: int | None = None, timeout: float = 600.0, retries: int = 5,
                  backoff: float = 1.0, api_key: str | None = None):
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"--url must be an http(s) address such as http://127.0.0.1:8000/v1, "
-                             f"got {url!r}")
+        urls = [url] if isinstance(url, str) else list(url)
+        bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+        if not urls or bad:
+            raise ValueError(f"--url must be http(s) addresses such as http://127.0.0.1:8000/v1, "
+                             f"got {bad or urls!r}")
         if concurrency < 1 or retries < 0 or not timeout > 0 or not backoff >= 0:
             raise ValueError(f"need concurrency >= 1, retries >= 0, timeout > 0 and backoff >= 0, "
                              f"got {concurrency}, {retries}, {timeout}, {backoff}")
         check_chat_tokenizer(tokenizer)
-        self.url = url.rstrip("/")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.url = self.urls[0]
+        self._turn = itertools.count()  # which server the next conversation goes to
         self.model = model
         self.tokenizer = tokenizer
         self.concurrency = concurrency
@@ -94,9 +100,11 @@ class OpenAIBackend:
             return _template_ids(self.tokenizer, messages)
 
     def request(self, method: str, path: str, body: dict | None = None,
-                retries: int | None = None) -> dict:
-        """One JSON request, retried on connection errors, 429 and 5xx; a 4xx is a ValueError."""
-        url = self.url + path
+                retries: int | None = None, server: str | None = None) -> dict:
+        """One JSON request (to ``server``, default the first), retried on connection errors,
+        429 and 5xx; a 4xx is a ValueError."""
+        server = server or self.url
+        url = server + path
         data = None if body is None else json.dumps(body).encode("utf-8")
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if self.api_key:
@@ -119,7 +127,7 @@ class OpenAIBackend:
                 problem = str(getattr(err, "reason", None) or err) or type(err).__name__
             if attempt == retries:
                 raise ConnectionError(f"{method} {url} failed {attempt + 1} times, last with "
-                                      f"{problem}; check that the server runs at {self.url}")
+                                      f"{problem}; check that the server runs at {server}")
             time.sleep(min(self.backoff * 2**attempt, 60.0))
         try:
             return json.loads(payload)
@@ -129,11 +137,12 @@ class OpenAIBackend:
 
     def check(self) -> None:
         """The server answers and serves ``model``: a clear error before any work."""
-        listed = self.request("GET", "/models", retries=min(self.retries, 2))
-        served = [m.get("id") for m in listed.get("data", []) if isinstance(m, dict)]
-        if self.model not in served:
-            raise ValueError(f"the server at {self.url} serves {served}, not {self.model!r}; "
-                             f"pass --model with one of those names")
+        for server in self.urls:
+            listed = self.request("GET", "/models", retries=min(self.retries, 2), server=server)
+            served = [m.get("id") for m in listed.get("data", []) if isinstance(m, dict)]
+            if self.model not in served:
+                raise ValueError(f"the server at {server} serves {served}, not "
+                                 f"{self.model!r}; pass --model with one of those names")
 
     def answer(self, messages: list[dict], *, max_new_tokens: int, temperature: float,
                top_p: float, seed: int) -> Answer:
@@ -141,13 +150,14 @@ class OpenAIBackend:
                 "temperature": temperature, "seed": seed, "stream": False}
         if temperature > 0:
             body["top_p"] = top_p
-        reply = self.request("POST", "/chat/completions", body)
+        server = self.urls[next(self._turn) % len(self.urls)]
+        reply = self.request("POST", "/chat/completions", body, server=server)
         try:
             choice = reply["choices"][0]
             text = choice["message"]["content"] or ""
             reason = choice.get("finish_reason")
         except (KeyError, IndexError, TypeError):
-            raise ValueError(f"{self.url}/chat/completions answered without a message: "
+            raise ValueError(f"{server}/chat/completions answered without a message: "
                              f"{json.dumps(reply)[:300]}") from None
         usage = reply.get("usage") or {}
         return Answer(text, reason == "stop", usage.get("prompt_tokens"),
