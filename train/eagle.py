@@ -73,7 +73,7 @@ from train.batches import make_batches, row_sizes
 from train.config import TrainConfig, option, parse_config
 from train.data import load_sft_dataset
 from train.eagle_features import feature_rows, load_feature_target
-from train.estimate import EAGLE_FACTOR, MemoryModel, Shape, StepSizes
+from train.estimate import EAGLE_FACTOR, EAGLE_STEP_OVERHEAD, MemoryModel, Shape, StepSizes
 from train.loop import Recipe, StepOutput, TrainResult, start_run, write_run_artifact
 from train.tracking import AcceptanceEval
 
@@ -212,7 +212,10 @@ def memory_parts(cfg, target: Shape, sizes: StepSizes) -> dict[str, float]:
     if version == 3:
         trained += draft_vocab * h
     steps = cfg.ttt_steps if version == 3 else 1
-    per_step = EAGLE_FACTOR * (target.layer_saved_per_token(layer_in) + 6 * h) * act
+    # plus what a step keeps per position whatever the width (indices, rotary tables, the
+    # loss's gathered rows): the tests' width (hidden 128) measured it
+    per_step = (EAGLE_FACTOR * (target.layer_saved_per_token(layer_in) + 6 * h)
+                + EAGLE_STEP_OVERHEAD) * act
     if cfg.gradient_checkpointing:  # each step keeps its input; one step is rebuilt at a time
         kept = per_step + steps * 6 * h * act
     else:
@@ -222,16 +225,18 @@ def memory_parts(cfg, target: Shape, sizes: StepSizes) -> dict[str, float]:
         sizes.optimizer(trained)
     parts[f"head activations ({steps} test-time step{'s' if steps > 1 else ''})"] = \
         kept * n
-    # the attention's own inputs, kept for its backward: flex lays every earlier step's keys and
-    # values beside step i's (1 + 2 + ... + steps copies); the SDPA kernel reads the step-0 ones
-    # (with the diagonal sinks) at each step, plus a (n, n + i) bool mask per step for packed
-    # rows, which need documents told apart
+    # the attention's own inputs and output, kept for its backward: flex lays every earlier
+    # step's keys and values beside step i's (1 + 2 + ... + steps copies); the SDPA kernel keeps
+    # each step's widened queries and output, the step-0 keys and values with the diagonal sinks
+    # and the diagonal's combination, plus a (n, n + i) bool mask per step for packed rows (their
+    # documents told apart) and three more while the next one is built
     if resolve_backend(getattr(cfg, "attention", "auto"), torch.device(sizes.device)) == "flex":
         kernel, attention = "flex", 2 * target.kv_dim * act * steps * (steps + 1) / 2
     else:
-        kernel, attention = "sdpa", 2 * target.kv_dim * act * steps
+        kernel = "sdpa"
+        attention = (3 * target.q_dim + 2 * target.kv_dim) * act * steps
         if getattr(cfg, "packing", False):
-            attention += steps * n  # bytes per token of the masks
+            attention += (steps + 3) * n  # bytes per token of the masks
     parts[f"test-time attention activations ({kernel})"] = attention * n
     parts["target forward and features"] = sizes.target_forward + features * n
     parts[f"loss chunk ({min(cfg.loss_chunk_size, n)} x {draft_vocab})"] = \

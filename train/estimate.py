@@ -43,6 +43,10 @@ GIB = 1024 ** 3
 # measured slope / shape count, the larger of the two widths measured (reports/memory_growth.json)
 LAYER_FACTOR = 1.15   # a decoder layer's forward+backward (SmolLM2 1.10, Llama-3.1-8B 1.08)
 EAGLE_FACTOR = 1.40   # one EAGLE test-time step (SmolLM2 1.31, Llama-3.1-8B 1.06)
+# values per position and test-time step that do not scale with the width (indices, rotary
+# tables, the loss's gathered rows): hidden 128 measured 64 MiB per 1000 tokens over 3 steps where
+# the shape count gave 52 (reports/memory_growth.json, width "tiny")
+EAGLE_STEP_OVERHEAD = 1280
 NO_GRAD_FACTOR = 1.15  # the frozen target's no-grad forward, per token (one layer's temporaries)
 LOSS_CHUNK_COPIES = 6  # logits, log-softmax, the target's logits and distribution, gradients
 #                        (Llama-3.1-8B's EAGLE-1, full vocabulary, T 128 -> 256: 5.4 measured)
