@@ -92,10 +92,14 @@ def test_a_shard_count_the_target_cannot_split_into_is_refused():
 
 def _probe(directories: list[str]) -> None:
     """Run by each of 2 processes: the shared-directory check on its own directory."""
+    from accelerate.state import AcceleratorState
+
     from train.accelerator import make_accelerator
     from train.config import TrainConfig
     from train.sharding import check_shared_directory
 
+    # a forked child inherits the state of an Accelerator this test process made before
+    AcceleratorState._reset_state(reset_partial_state=True)
     accelerator = make_accelerator(TrainConfig(output_dir=directories[0]))
     mine = Path(directories[accelerator.process_index])
     try:
@@ -106,7 +110,7 @@ def _probe(directories: list[str]) -> None:
     (mine / f"outcome-{accelerator.process_index}.txt").write_text(outcome)
 
 
-def test_a_checkpoint_directory_not_shared_by_every_process_is_refused(tmp_path):
+def test_sharding_refuses_a_checkpoint_directory_not_shared_by_every_process(tmp_path):
     """Two processes (gloo) that see different directories under one name (node-local disks,
     emulated by a directory per process) are refused on every process, with one line; a
     shared one passes, and the check leaves nothing behind."""
@@ -148,7 +152,7 @@ def test_the_70b_recipes_fit_80gb_gpus_with_the_target_sharded(trainer, launch, 
         main(["--config", config, "--processes", "4", "--target_parallel", "8"])
 
 
-def test_the_estimate_counts_only_the_target_parts_a_run_loads(tmp_path):
+def test_the_estimate_counts_a_sharded_target_and_only_the_parts_a_run_loads(tmp_path):
     """A run from a finished feature cache loads the embedding, norm and LM head alone: the
     estimate counts those, not the whole target."""
     from train.eagle import MEMORY, EagleTrainConfig

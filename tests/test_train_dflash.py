@@ -114,18 +114,18 @@ def test_online_and_offline_features_give_the_same_first_step(files, tmp_path, m
         assert other["loss"] == pytest.approx(first["loss"], rel=1e-5), run
 
 
-def test_sharded_target_and_fsdp2_draft_train_the_ddp_steps(files, tmp_path):
+def test_sharded_target_and_fsdp2_draft_train_the_one_process_steps(files, tmp_path):
     """torchrun, 2 CPU processes: the block draft under FSDP2 (launched as with
     configs/accelerate/fsdp2.yaml) with the target's layers sharded over both trains the steps
-    DDP trains with a whole target per process (the same split: blocks are drawn per
-    micro-batch), and the artifact holds the same gathered weights."""
-    common = dict(max_steps=2, eval_every=0, save_every=0, per_device_batch_size=2)
-    sharding.torchrun("train/dflash.py", config(files, tmp_path / "ddp", **common), fsdp2=False)
+    one process trains, and the artifact holds the same gathered weights. Every scored position
+    is an anchor (anchors >= the rows' length), so no block depends on how rows are split."""
+    common = dict(max_steps=2, eval_every=0, save_every=0, anchors=64)
+    main(config(files, tmp_path / "one", per_device_batch_size=4, **common))
     sharding.torchrun("train/dflash.py", config(files, tmp_path / "fsdp2", target_parallel=2,
-                                                **common), fsdp2=True)
-    sharding.assert_same_steps(sharding.losses(tmp_path / "ddp"),
+                                                per_device_batch_size=2, **common), fsdp2=True)
+    sharding.assert_same_steps(sharding.losses(tmp_path / "one"),
                                sharding.losses(tmp_path / "fsdp2"))
-    a = load_file(str(tmp_path / "ddp/artifact/model.safetensors"))
+    a = load_file(str(tmp_path / "one/artifact/model.safetensors"))
     b = load_file(str(tmp_path / "fsdp2/artifact/model.safetensors"))
     assert a.keys() == b.keys()
     for name in a:

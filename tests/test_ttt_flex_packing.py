@@ -154,9 +154,10 @@ def test_flex_attention_compiled_allocates_no_n_by_n_tensor():
     assert kernel_bytes < square / 16, kernel_bytes  # outputs and laid-out keys: O(n x d)
 
 
-def test_the_sdpa_kernel_builds_no_mask_for_right_padded_rows_and_one_for_documents():
+def test_the_sdpa_kernel_builds_no_mask_for_right_padded_rows_and_one_for_packing():
     """Right-padded rows: step 0 is plain causal SDPA and later steps a lower-right causal bias,
-    no tensor mask; rows with holes get one (the control). Recorded as torch dispatches them."""
+    no tensor mask; rows with holes and packed rows get one per step (the controls). Recorded as
+    torch dispatches them."""
 
     class Recording(TorchFunctionMode):
         def __init__(self):
@@ -181,6 +182,13 @@ def test_the_sdpa_kernel_builds_no_mask_for_right_padded_rows_and_one_for_docume
         eagle_loss(head, batch, steps=3, chunk_size=5, attention="sdpa", padding="any")
     assert len(holes.calls) == 3
     assert all(type(mask) is torch.Tensor and mask.dtype == torch.bool for _, mask in holes.calls)
+    packed = pack_rows(unpadded_rows(batch))
+    packed.update(ttt_features(target, head, packed))
+    with Recording() as documents:
+        eagle_loss(head, packed, steps=3, chunk_size=5, attention="sdpa")
+    assert len(documents.calls) == 3
+    assert all(type(mask) is torch.Tensor and mask.dtype == torch.bool
+               for _, mask in documents.calls)
 
 
 # ------------------------------------------------------------------------------------------------

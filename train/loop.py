@@ -43,6 +43,7 @@ from heads.command_line import shell_command
 from train.accelerator import attention_kernels, make_accelerator
 from train.batches import TrainBatches, loss_scale, padded_tokens
 from train.checkpoints import Checkpointer, TrainState, check_resume_layout
+from train.eagle_features import feature_cache_dir
 from train.estimate import MemoryModel, check_fits
 from train.optimizer import apply_learning_rate, make_optimizer
 from train.sharding import (
@@ -112,7 +113,8 @@ def start_run(cfg, memory: MemoryModel) -> Accelerator:
     exists), then everything that can refuse the run before minutes of loading the target: the
     sharding (:func:`train.sharding.sharding_plan`: the mesh, the launch's engine), what a
     sharded run cannot do, the checkpoint to resume from (written with the same engine), the
-    output directory shared by every process, and the memory check."""
+    output directory (and an offline feature cache) shared by every process, and the memory
+    check."""
     accelerator = make_accelerator(cfg)
     plan = sharding_plan(cfg, accelerator)
     if plan.any and cfg.eval_every:
@@ -125,6 +127,8 @@ def start_run(cfg, memory: MemoryModel) -> Accelerator:
     check_target_shards(cfg, plan)
     check_resume_layout(cfg, plan)
     check_shared_directory(accelerator, Path(cfg.output_dir), "output_dir")
+    if getattr(cfg, "feature_mode", "online") == "offline":  # every process reads every file
+        check_shared_directory(accelerator, feature_cache_dir(cfg), "feature_cache_dir")
     check_fits(cfg, accelerator, memory, plan)
     return accelerator
 
