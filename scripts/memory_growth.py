@@ -8,8 +8,10 @@ forward and backward of the trainer's own loss, and reports how far the high-wat
 above where it stood (the weights, gradients' buffers and the batch are already there). glibc
 returns large frees to the system (``MALLOC_MMAP_THRESHOLD_``), so the mark follows live tensors.
 
-Shapes: SmolLM2-135M (hidden 576, intermediate 1536, 9 heads / 3 kv, vocabulary 49152) and
-Llama-3.1-8B (hidden 4096, intermediate 14336, 32 heads / 8 kv, vocabulary 128256), the latter
+Shapes: SmolLM2-135M (hidden 576, intermediate 1536, 9 heads / 3 kv, vocabulary 49152),
+the tests' width ``tiny`` (hidden 128, 4 heads / 2 kv: EAGLE-3 with padded and packed rows, where
+the test-time attention's own tensors and masks show) and Llama-3.1-8B (hidden 4096,
+intermediate 14336, 32 heads / 8 kv, vocabulary 128256), the latter
 with only the layers a measurement needs (an EAGLE head reads three hidden states and the
 embedding and LM head; a decoder layer's cost is per layer). Every figure is a difference between
 two runs of the same shapes (more tokens, one more test-time step, one more layer), so the

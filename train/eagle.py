@@ -25,6 +25,13 @@ Features come from the frozen target in one of two ways (``feature_mode``), givi
   Disk for EAGLE-3 on smollm2-135m in bf16: 3.5 KB per token plus 1.2 KB per scored token (see
   ``train/eagle_features.py``).
 
+``packing: true`` lays each micro-batch's rows end to end in one row (positions restarting at
+each row; the target and the head attend within it): no padding, the same loss. The test-time
+attention runs in flex attention on a GPU and in the fused SDPA kernel on a CPU (``attention``,
+heads/ttt_attention.py). A target too large for one GPU is sharded over ``target_parallel``
+processes and the head may be trained under FSDP2 (``accelerate launch --config_file
+configs/accelerate/fsdp2.yaml``; train/sharding.py).
+
 Training data is what ``train.data.load_sft_dataset`` reads. EAGLE recommends answers the target
 wrote itself; write them first with ``python -m train.data regenerate`` (see the configs). The
 draft vocabulary (``d2t``/``t2d``) is computed from the data's assistant tokens the same way on
