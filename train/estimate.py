@@ -305,7 +305,9 @@ def check_fits(cfg, accelerator, memory: MemoryModel, plan=None) -> Estimate | N
             f"{est.capacity / GIB:.1f} GiB {'total' if device == 'cuda' else 'available'}); "
             f"estimated peak of one step over {est.tokens} tokens per micro-batch:\n{est.table()}"
             f"\nShrink it with {memory.shrink_keys} (the README's memory section gives the "
-            "figures per key); DRAFTSMITH_SKIP_MEMORY_CHECK=1 runs it anyway.")
+            "figures per key); split the frozen target's layers over processes with "
+            "target_parallel (the GPUs of a node) and the trained module with "
+            "configs/accelerate/fsdp2.yaml; DRAFTSMITH_SKIP_MEMORY_CHECK=1 runs it anyway.")
         if os.environ.get("DRAFTSMITH_SKIP_MEMORY_CHECK") == "1":
             accelerator.print(f"[draftsmith] warning: {message}")
         else:
