@@ -42,11 +42,9 @@ predict x_{t+2}. At training-time-test step i the entry of anchor t sits at posi
 reads the embedding of x_{t+1+i} and the head's own step i-1 feature, and predicts x_{t+2+i}.
 
 Training-time test without a dense mask: at step i, anchor t attends to the step-0 entries
-0..t (causal, padding excluded) and to its own entries of steps 1..i only -- the diagonal of each
-earlier step, as in the EAGLE reference. :func:`ttt_attention` computes that joint softmax with
-one fused ``scaled_dot_product_attention`` call over the n step-0 keys plus i "sink" keys whose
-logits are the diagonal dot products (appended to each query as extra coordinates) and whose
-values read out the softmax weight of each diagonal term. Nothing of size (i + 1) x S is built.
+0..t of its document and to its own entries of steps 1..i only -- the diagonal of each earlier
+step, as in the EAGLE reference (heads/ttt_attention.py: fused SDPA with the diagonal as extra
+keys, or flex attention with a block mask; packed rows attend within their document).
 
 The losses (EAGLE-1's feature regression and cross-entropy, EAGLE-3's training-time test) and
 the target features they read are heads/eagle_loss.py, beside this module.
@@ -58,12 +56,11 @@ import copy
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
+from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import (
@@ -78,6 +75,7 @@ from heads.draft_vocab import build_draft_vocab as build_draft_vocab
 from heads.draft_vocab import check_vocab_maps
 from heads.draft_vocab import count_tokens as count_tokens
 from heads.target import FrozenParts, Target
+from heads.ttt_attention import ttt_attention
 
 VERSIONS = (1, 3)
 METHOD_OF_VERSION = {1: "eagle1", 3: "eagle3"}
@@ -341,73 +339,6 @@ def causal_mask(
     return attention_bias(allowed, dtype)
 
 
-def ttt_attention(
-    query: torch.Tensor,
-    keys: Sequence[torch.Tensor],
-    values: Sequence[torch.Tensor],
-    *,
-    scaling: float,
-    key_valid: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention of training-time-test step i = len(keys) - 1, without an (i + 1) S mask.
-
-    query (B, H, n, d): step i's queries (rotated); keys / values: (B, H_kv, n, d) per step, step
-    0 first (step i's own included). Query t attends to the step-0 keys 0..t (those with
-    ``key_valid`` (B, n) when given) and to keys[j][t] for j = 1..i, one softmax over all of them.
-    -> (B, H, n, d).
-
-    The diagonal terms ride along in a single fused SDPA call: each query gets i extra
-    coordinates holding its diagonal dot products q_t . keys[j][t]; i sink keys, one-hot in those
-    coordinates, placed before the step-0 keys, then score exactly those logits; their values,
-    one-hot in i extra value coordinates, read out each diagonal term's softmax weight, which then
-    multiplies values[j][t]. Causality is the lower-right-aligned causal mask of (n, i + n):
-    every query sees all sinks and the step-0 keys up to itself.
-    """
-    B, H, n, d = query.shape
-    kv_heads = keys[0].shape[1]
-    groups = H // kv_heads
-    extra = len(keys) - 1
-    gqa = dict(enable_gqa=True) if groups > 1 else {}
-    if key_valid is not None:
-        # (B, n, n): the valid step-0 keys, and each entry's own (a padded query then attends
-        # to something rather than nothing, so its output, unused, stays finite)
-        eye = torch.eye(n, dtype=torch.bool, device=query.device)
-        valid = key_valid.bool()[:, None, :] | eye
-    if extra == 0:
-        if key_valid is None:
-            return F.scaled_dot_product_attention(
-                query, keys[0], values[0], is_causal=True, scale=scaling, **gqa
-            )
-        causal = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
-        allowed = (causal & valid)[:, None]  # (B, 1, n, n)
-        return F.scaled_dot_product_attention(
-            query, keys[0], values[0], attn_mask=allowed, scale=scaling, **gqa
-        )
-    # per-position products, one step at a time: autograd keeps views of q and k, not i copies
-    grouped = query.reshape(B, kv_heads, groups, n, d)
-    diag_logits = torch.stack(
-        [(grouped * key[:, :, None]).sum(-1) for key in keys[1:]], dim=-1
-    )  # (B, H_kv, G, n, i)
-    width = -(-(d + extra) // 8) * 8  # fused kernels want head dims in multiples of 8
-    pad = width - d - extra
-    q = torch.cat(
-        [query, diag_logits.reshape(B, H, n, extra), query.new_zeros(B, H, n, pad)], dim=-1
-    )  # (B, H, n, width)
-    sinks = torch.eye(extra, width - d, dtype=query.dtype, device=query.device)  # (i, width - d)
-    sinks = F.pad(sinks, (d, 0)).expand(B, kv_heads, extra, width)  # (B, H_kv, i, width)
-    k = torch.cat([sinks, F.pad(keys[0], (0, width - d))], dim=2)  # (B, H_kv, i + n, width)
-    v = torch.cat([sinks, F.pad(values[0], (0, width - d))], dim=2)  # (B, H_kv, i + n, width)
-    if key_valid is None:
-        mask = causal_lower_right(n, extra + n)
-    else:
-        causal = torch.ones(n, extra + n, dtype=torch.bool, device=query.device).tril(extra)
-        mask = (causal & F.pad(valid, (extra, 0), value=True))[:, None]  # (B, 1, n, i + n)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, **gqa)
-    weights = out[..., d : d + extra].reshape(B, kv_heads, groups, n, extra)  # diagonal softmax
-    diag = sum(weights[..., j, None] * value[:, :, None] for j, value in enumerate(values[1:]))
-    return out[..., :d] + diag.reshape(B, H, n, d)  # (B, H, n, d)
-
-
 class EagleHead(nn.Module):
     """An EAGLE-1 or EAGLE-3 head: a Llama decoder layer on top of the target.
 
@@ -618,6 +549,8 @@ class EagleHead(nn.Module):
         past: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
         key_valid: torch.Tensor | None = None,
         *,
+        documents: torch.Tensor | None = None,
+        attention: str = "sdpa",
         gradient_checkpointing: bool = False,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """One training-time-test step over all n anchors at once (no logits).
@@ -626,9 +559,11 @@ class EagleHead(nn.Module):
         (step 0) or the head's previous output; position_ids (1 or B, n) = anchor + step; past:
         the (keys, values) this method returned at the earlier steps, step 0 first, each
         (B, kv_heads, n, head_dim); key_valid (B, n) bool: the anchors that are real tokens
-        (padding excluded from the step-0 keys), None for no padding. Step 0 attends causally;
-        step i > 0 to the step-0 keys up to each anchor plus the anchor's own entries of steps
-        1..i (:func:`ttt_attention`).
+        (padding excluded from the step-0 keys), None for right-padded rows (nothing to
+        exclude); documents (B, n): each anchor's document in packed rows, None for one per row.
+        Step 0 attends causally; step i > 0 to the step-0 keys up to each anchor plus the
+        anchor's own entries of steps 1..i (:func:`heads.ttt_attention.ttt_attention`, kernel
+        ``attention``: sdpa or flex).
 
         ``gradient_checkpointing``: keep only the step's inputs and recompute the layer in
         backward (``torch.utils.checkpoint``, non-reentrant).
@@ -638,13 +573,14 @@ class EagleHead(nn.Module):
         embeds = self.embed(input_ids)  # no gradient: the target's frozen embedding
         cos, sin = self.frozen.rotary(hidden, position_ids)
         flat = [t for kv in past for t in kv]
+        layer = partial(self._ttt_layer, attention=attention)
         if gradient_checkpointing and torch.is_grad_enabled():
             return checkpoint(
-                self._ttt_layer, embeds, hidden, cos, sin, key_valid, *flat, use_reentrant=False
+                layer, embeds, hidden, cos, sin, key_valid, documents, *flat, use_reentrant=False
             )
-        return self._ttt_layer(embeds, hidden, cos, sin, key_valid, *flat)
+        return layer(embeds, hidden, cos, sin, key_valid, documents, *flat)
 
-    def _ttt_layer(self, embeds, hidden, cos, sin, key_valid, *past_flat):
+    def _ttt_layer(self, embeds, hidden, cos, sin, key_valid, documents, *past_flat, attention):
         attn = self.decoder_layer.self_attn
         step_kv = []
 
@@ -662,6 +598,8 @@ class EagleHead(nn.Module):
                 [*past_flat[1::2], v],
                 scaling=attn.scaling,
                 key_valid=key_valid,
+                documents=documents,
+                backend=attention,
             )  # (B, H, n, d)
             return attn.o_proj(out.transpose(1, 2).reshape(B, n, -1))
 

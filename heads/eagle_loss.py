@@ -46,6 +46,9 @@ from heads.eagle import (
     EagleHead,
 )
 from heads.target import Target
+from heads.ttt_attention import documents_of, resolve_backend
+
+PADDINGS = ("right", "any")
 
 
 @torch.no_grad()
@@ -54,6 +57,7 @@ def target_features(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     config: EagleConfig,
+    position_ids: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Online mode: run the frozen target on a batch and take what the loss needs.
 
@@ -62,9 +66,14 @@ def target_features(
     distribution is lm_head(last_hidden)). The LM head itself is not run here.
 
     Only the hidden states the head reads are kept (:meth:`heads.target.Target.hidden_states`).
+    Packed rows give ``position_ids`` (restarting at 0 for each document) and no attention mask:
+    the target then attends within each document.
     """
     wanted = [i for i in config.aux_layer_ids if i < target.num_layers]
-    captured, last = target.hidden_states(input_ids, wanted, attention_mask)
+    if position_ids is not None:  # packed: transformers tells the documents apart without it
+        attention_mask = None
+    captured, last = target.hidden_states(input_ids, wanted, attention_mask,
+                                          position_ids=position_ids)
     if config.version == 1:
         return {"features": last, "last_hidden": last}
     captured[target.num_layers] = last
@@ -102,9 +111,29 @@ def _check_reduction(reduction: str) -> None:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
-def _key_valid(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """(B, S) attention mask -> (B, S-1) bool over the anchors (entry t reads position t + 1)."""
-    return None if attention_mask is None else attention_mask[:, 1:].bool()
+def _key_valid(attention_mask: torch.Tensor | None, padding: str) -> torch.Tensor | None:
+    """(B, S) attention mask -> (B, S-1) bool over the anchors (entry t reads position t + 1),
+    or None for right-padded rows: causal attention never lets a real anchor see the padding
+    after it, so no mask is built (the fused kernels run without one)."""
+    if padding not in PADDINGS:
+        raise ValueError(f"padding must be one of {PADDINGS}, got {padding!r}")
+    if attention_mask is None or padding == "right":
+        return None
+    return attention_mask[:, 1:].bool()
+
+
+def _packing(position_ids: torch.Tensor | None, n: int, device
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(anchor positions (1 or B, n), anchor documents (B, n) or None, reach (1 or B, n)) of a
+    batch of n + 1 tokens per row. Packed rows (``position_ids`` restarting at 0 per document)
+    give each anchor its position and document; ``reach[j]`` is the position of token j + 2
+    within its document: the anchor j - i of test-time step i that predicts it is in the same
+    document exactly when reach >= i + 2 (for unpacked rows reach is j + 2)."""
+    if position_ids is None:
+        anchors = torch.arange(n, device=device)[None]
+        return anchors, None, anchors + 2
+    documents = documents_of(position_ids)[:, :-1]
+    return position_ids[:, :-1], documents, _shift_left(position_ids[:, 1:], 1)
 
 
 def _plain_lm_head(head: EagleHead) -> nn.Module:
@@ -130,6 +159,9 @@ def eagle1_loss(
     gradient_checkpointing: bool = False,
     reduction: str = "mean",
     generator: torch.Generator | None = None,
+    position_ids: torch.Tensor | None = None,
+    padding: str = "right",
+    attention: str = "auto",
 ) -> tuple[torch.Tensor, dict]:
     """EAGLE-1: SmoothL1(next feature) + ce_weight x soft CE against the target's distribution.
 
@@ -138,7 +170,8 @@ def eagle1_loss(
     feature_loss + ce_weight * ce: averaged (``reduction="mean"``) or summed (``"sum"``). Returns
     (loss, metrics) with metrics 0-dim detached tensors: loss (the returned value), feature_loss,
     ce_loss, acc_0 (draft argmax == target argmax) as means per scored position, and tokens (the
-    number of scored positions).
+    number of scored positions). ``position_ids``, ``padding`` and ``attention``: as
+    :func:`eagle3_loss`.
     """
     if head.version != 1:
         raise ValueError("eagle1_loss needs an EAGLE-1 head; use eagle3_loss")
@@ -148,15 +181,18 @@ def eagle1_loss(
         raise ValueError(f"sequences need at least 3 tokens to train EAGLE, got {S}")
     lm_head = _plain_lm_head(head)
     inputs = _with_noise(features[:, :-1], feature_noise, generator)
-    positions = torch.arange(S - 1, device=input_ids.device)[None]
+    positions, documents, reach = _packing(position_ids, S - 1, input_ids.device)
     predicted, _ = head.ttt_step(
         input_ids[:, 1:],
         head.fuse(inputs),
         positions,
-        key_valid=_key_valid(attention_mask),
+        key_valid=_key_valid(attention_mask, padding),
+        documents=documents,
+        attention=resolve_backend(attention, input_ids.device),
         gradient_checkpointing=gradient_checkpointing,
     )  # (B, S-1, h)
-    b, t = _anchor_mask(loss_mask, 0).nonzero(as_tuple=True)  # the scored anchors, (N,) each
+    scored = _anchor_mask(loss_mask, 0) & (reach >= 2)  # anchor and token in one document
+    b, t = scored.nonzero(as_tuple=True)  # the scored anchors, (N,) each
     rows = predicted[b, t]  # (N, h)
     wanted = features[:, 1:][b, t]  # (N, h) = f_{t+1}, also the target's distribution's state
     feature_sum = F.smooth_l1_loss(rows, wanted.to(rows.dtype), reduction="none").mean(-1).sum()
@@ -198,6 +234,9 @@ def eagle3_loss(
     gradient_checkpointing: bool = False,
     reduction: str = "mean",
     generator: torch.Generator | None = None,
+    position_ids: torch.Tensor | None = None,
+    padding: str = "right",
+    attention: str = "auto",
 ) -> tuple[torch.Tensor, dict]:
     """EAGLE-3 training-time test: ``steps`` unrolled steps, soft CE weighted decay^i.
 
@@ -212,6 +251,14 @@ def eagle3_loss(
     that divide by a token count of their own (``tokens``). Returns (loss, metrics), metrics 0-dim
     detached tensors: loss (the returned value), ce_loss_i and acc_i per step (means; acc: draft
     argmax == target argmax), tokens (the positions step 0 scores).
+
+    ``position_ids`` (B, S): packed rows, several documents end to end, positions restarting at
+    0 for each (and no attention mask): the target's features were computed per document, every
+    anchor attends within its document and no prediction crosses into the next one, so the
+    loss equals the rows' loss unpacked. ``padding``: ``right`` (padding only after each row's
+    tokens, what every collate here produces: no mask needed) or ``any`` (holes anywhere, excluded
+    by a mask). ``attention``: the test-time attention kernel, ``sdpa``, ``flex`` or ``auto``
+    (flex on a GPU; :mod:`heads.ttt_attention`).
     """
     if head.version != 3:
         raise ValueError("eagle3_loss needs an EAGLE-3 head; use eagle1_loss")
@@ -223,9 +270,10 @@ def eagle3_loss(
         raise ValueError(f"sequences need at least 3 tokens to train EAGLE, got {S}")
     lm_head = _plain_lm_head(head)
     n = S - 1  # anchors t = 0..S-2
-    key_valid = _key_valid(attention_mask)
+    key_valid = _key_valid(attention_mask, padding)
+    attention = resolve_backend(attention, input_ids.device)
     hidden = head.fuse(_with_noise(features[:, :-1], feature_noise, generator))  # (B, n, h)
-    anchors = torch.arange(n, device=input_ids.device)[None]
+    anchors, documents, reach = _packing(position_ids, n, input_ids.device)
     tokens = input_ids[:, 1:]
     past: list[tuple[torch.Tensor, torch.Tensor]] = []
     outputs = []
@@ -236,18 +284,23 @@ def eagle3_loss(
             anchors + i,
             past,
             key_valid,
+            documents=documents,
+            attention=attention,
             gradient_checkpointing=gradient_checkpointing,
         )
         past.append(kv)
         outputs.append(hidden)
     # Step i's entry at anchor t predicts the token the target predicts at position t + 1 + i,
     # so every step is scored against the same rows j = t + i of the target's distribution
-    # (j <-> position j + 1, weighted by loss_mask[j + 2]); step i lacks the rows j < i.
-    b, j = _anchor_mask(loss_mask, 0).nonzero(as_tuple=True)  # (N,) each
+    # (j <-> position j + 1, weighted by loss_mask[j + 2]); step i lacks the rows whose anchor
+    # j - i lies before the document of token j + 2 (j < i in an unpacked row).
+    scored = _anchor_mask(loss_mask, 0) & (reach >= 2)
+    b, j = scored.nonzero(as_tuple=True)  # (N,) each
     student = torch.stack(
         [head.logit_states(out[b, (j - i).clamp_min(0)]) for i, out in enumerate(outputs)]
     )  # (steps, N, h)
-    row_mask = torch.stack([j >= i for i in range(steps)])  # (steps, N)
+    depth = reach.expand(B, -1)[b, j]  # (N,) position of token j + 2 in its document
+    row_mask = torch.stack([depth >= i + 2 for i in range(steps)])  # (steps, N)
     teacher_states = last_hidden[:, 1:][b, j]  # (N, h)
     columns = None
     if head.config.draft_vocab_size < head.config.vocab_size:
@@ -294,12 +347,16 @@ def eagle_loss(
     gradient_checkpointing: bool = False,
     reduction: str = "mean",
     generator: torch.Generator | None = None,
+    padding: str = "right",
+    attention: str = "auto",
 ) -> tuple[torch.Tensor, dict]:
-    """The head's loss on a batch with input_ids, attention_mask, loss_mask, features, last_hidden.
+    """The head's loss on a batch with input_ids, attention_mask, loss_mask, features, last_hidden
+    (and position_ids for packed rows: :func:`eagle3_loss`).
 
     ``feature_noise`` None -> the version's default (0.2 for EAGLE-1, 0 for EAGLE-3); ``steps``
     and ``decay`` are EAGLE-3's, ``ce_weight`` EAGLE-1's. ``reduction``: "mean" (per scored
     position) or "sum" (over scored positions; ``metrics["tokens"]`` counts step 0's).
+    ``padding`` and ``attention``: :func:`eagle3_loss`'s.
     """
     missing = [k for k in ("input_ids", "loss_mask", "features", "last_hidden") if k not in batch]
     if missing:
@@ -314,6 +371,9 @@ def eagle_loss(
         gradient_checkpointing=gradient_checkpointing,
         reduction=reduction,
         generator=generator,
+        position_ids=batch.get("position_ids"),
+        padding=padding,
+        attention=attention,
     )
     if head.version == 1:
         return eagle1_loss(
@@ -349,7 +409,7 @@ class EagleLoss(DraftLoss):
 
     # eagle_loss's options that a trainer sets once (reduction and generator come per call)
     OPTIONS = ("steps", "decay", "feature_noise", "ce_weight", "chunk_size",
-               "gradient_checkpointing")
+               "gradient_checkpointing", "attention")
 
     def __init__(self, head: EagleHead, **options):
         super().__init__(**options)

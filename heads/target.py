@@ -597,15 +597,17 @@ class Target:
         )
         return out.logits, [out.hidden_states[i] for i in layers]
 
-    def hidden_states(self, input_ids: torch.Tensor, indices, attention_mask=None
-                      ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    def hidden_states(self, input_ids: torch.Tensor, indices, attention_mask=None,
+                      position_ids=None) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
         """The hidden states ``indices`` (transformers' ``output_hidden_states`` numbering: index
         i is the input of decoder layer i) and the final-normed last hidden state, without the
         LM head -> ({index: (B, S, H)}, (B, S, H)).
 
         Captured at the inputs of their decoder layers, so only these are kept, not all L + 1
         (on an 8B target 4 instead of 33 (B, S, H) tensors alive while a head trains). Index L
-        (the final-normed state) is the second result.
+        (the final-normed state) is the second result. Packed rows: ``position_ids`` (B, S)
+        restarting at 0 per document and no ``attention_mask`` (transformers then attends within
+        each document).
         """
         captured: dict[int, torch.Tensor] = {}
         hooks = []
@@ -622,7 +624,7 @@ class Target:
             hooks.append(self.layers[i].register_forward_pre_hook(capture(i), with_kwargs=True))
         try:
             out = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
-                               use_cache=False)
+                               position_ids=position_ids, use_cache=False)
         finally:
             for handle in hooks:
                 handle.remove()

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The GPU path in one short run (at most 8 minutes on one H200): bf16 training steps of each
-# trainer on the embedded target with token-budget batches, through python -m train.speed (real
-# tokens/s beside the target's own forward, the allocator's peak beside train.memory's estimate),
-# then eval.bench on GPU (greedy, identical tokens checked, speedups reported), into $OUT
-# (default reports/gpu/). The 8B recipes need the 8B targets, which this script does not
+# The GPU path in one short run (at most 12 minutes on one H200): EAGLE-3's flex attention against
+# the SDPA kernel (scripts/flex_check.py); bf16 training steps of each trainer on the embedded
+# target with token-budget batches, through python -m train.speed (real tokens/s beside the
+# target's own forward, the allocator's peak beside train.memory's estimate), every SDPA call in
+# the fused kernels (fused_attention_only: a fall-back to the math kernel fails the stage); the
+# sharded path (torchrun over every GPU, FSDP2, a checkpoint resumed exactly); then eval.bench on
+# GPU (greedy, identical tokens checked, speedups reported), into $OUT (default reports/gpu/). The 8B recipes need the 8B targets, which this script does not
 # download: `python -m train.memory --config configs/eagle/llama-3.1-8b-instruct.yaml
 # --processes 8` gives their estimate once the target is in the local Hugging Face cache.
 #
@@ -38,19 +40,30 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a limit, keep its output, n
   fi
 }
 
-# bf16 training steps, token-budget batches, each trainer on the embedded target
+# flex attention (compiled) against the SDPA kernel on the GPU: outputs, autograd gradients, and
+# the memory of a long packed row (no (n, n) scores)
+stage flex_attention 150 "$PYTHON" scripts/flex_check.py
+
+# bf16 training steps, token-budget batches, each trainer on the embedded target; the fused
+# attention kernels only (a fall-back to the math kernel fails the stage)
+FUSED=(--mixed_precision bf16 --fused_attention_only true)
 stage speed_eagle3 90 "$PYTHON" -m train.speed --config configs/eagle/smollm2-135m.yaml \
-  --data "$DATA" --max_length 2048 --max_tokens_per_batch 16384 --steps 10 --warmup 3 \
-  --mixed_precision bf16
+  --data "$DATA" --max_length 2048 --max_tokens_per_batch 16384 --steps 10 --warmup 3 "${FUSED[@]}"
 stage speed_eagle3_ckpt 90 "$PYTHON" -m train.speed --config configs/eagle/smollm2-135m.yaml \
   --data "$DATA" --max_length 2048 --max_tokens_per_batch 16384 --steps 10 --warmup 3 \
-  --mixed_precision bf16 --gradient_checkpointing true
-stage speed_medusa 60 "$PYTHON" -m train.speed --config configs/medusa/smollm2-135m.yaml \
+  --gradient_checkpointing true "${FUSED[@]}"
+stage speed_eagle3_packed 90 "$PYTHON" -m train.speed --config configs/eagle/smollm2-135m.yaml \
   --data "$DATA" --max_length 2048 --max_tokens_per_batch 16384 --steps 10 --warmup 3 \
-  --mixed_precision bf16
+  --packing true "${FUSED[@]}"
+stage speed_medusa 60 "$PYTHON" -m train.speed --config configs/medusa/smollm2-135m.yaml \
+  --data "$DATA" --max_length 2048 --max_tokens_per_batch 16384 --steps 10 --warmup 3 "${FUSED[@]}"
 stage speed_distill 60 "$PYTHON" -m train.speed --config configs/distill/smollm2-135m.yaml \
   --data "$DATA" --max_length 2048 --max_tokens_per_batch 16384 --steps 10 --warmup 3 \
-  --mixed_precision bf16 --on_policy_ratio 0
+  --on_policy_ratio 0 "${FUSED[@]}"
+
+# the sharded path: torchrun over every GPU, FSDP2, the target sharded over the GPUs, a checkpoint
+# resumed exactly (scripts/sharded_check.sh)
+stage sharded 300 env OUT="$OUT" DATA="$DATA" PYTHON="$PYTHON" scripts/sharded_check.sh
 
 # the benchmark on GPU: plain decoding, prompt lookup and the shipped heads where present
 methods=(--method hf --method plain --method hf-pld --method draft:truncate:8)

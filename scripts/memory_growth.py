@@ -1,6 +1,6 @@
 """How a training step's memory grows with tokens, test-time steps, width and precision.
 
-    python scripts/memory_growth.py [--out reports/memory_growth.json] [--only NAME ...]
+    python scripts/memory_growth.py [--out reports/memory_growth.json] [--only KIND ...] [--width W ...]
 
 Each measurement runs in a fresh process: it builds the model (random weights, the real shapes)
 and a batch, resets the resident set's high-water mark (``/proc/self/clear_refs``), runs one
@@ -8,8 +8,10 @@ forward and backward of the trainer's own loss, and reports how far the high-wat
 above where it stood (the weights, gradients' buffers and the batch are already there). glibc
 returns large frees to the system (``MALLOC_MMAP_THRESHOLD_``), so the mark follows live tensors.
 
-Shapes: SmolLM2-135M (hidden 576, intermediate 1536, 9 heads / 3 kv, vocabulary 49152) and
-Llama-3.1-8B (hidden 4096, intermediate 14336, 32 heads / 8 kv, vocabulary 128256), the latter
+Shapes: SmolLM2-135M (hidden 576, intermediate 1536, 9 heads / 3 kv, vocabulary 49152),
+the tests' width ``tiny`` (hidden 128, 4 heads / 2 kv: EAGLE-3 with padded and packed rows, where
+the test-time attention's own tensors and masks show) and Llama-3.1-8B (hidden 4096,
+intermediate 14336, 32 heads / 8 kv, vocabulary 128256), the latter
 with only the layers a measurement needs (an EAGLE head reads three hidden states and the
 embedding and LM head; a decoder layer's cost is per layer). Every figure is a difference between
 two runs of the same shapes (more tokens, one more test-time step, one more layer), so the
@@ -34,7 +36,12 @@ WIDTHS = {
                          num_key_value_heads=3, vocab_size=49152, head_dim=64),
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=128256, head_dim=128),
+    # the tests' width, where attention's own memory is a visible share of a step
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=2048, head_dim=32),
 }
+# packed measurements: documents of this many tokens laid end to end
+DOCUMENT = 256
 
 
 def measurements() -> list[dict]:
@@ -56,7 +63,16 @@ def measurements() -> list[dict]:
     for t in (512, 1024):
         specs.append(dict(kind="eagle3", width="smollm2-135m", tokens=t, steps=2,
                           draft_vocab=8192, checkpointing=False, autocast="bf16"))
+    specs += tiny_measurements()
     return specs
+
+
+def tiny_measurements() -> list[dict]:
+    """EAGLE-3 at the tests' width, three test-time steps, rows padded or packed (documents of
+    DOCUMENT tokens: the CPU's attention then needs a mask per step)."""
+    return [dict(kind="eagle3", width="tiny", tokens=t, steps=3, draft_vocab=512,
+                 checkpointing=False, packed=packed)
+            for packed in (False, True) for t in (1024, 2048)]
 
 
 def name_of(spec: dict) -> str:
@@ -126,6 +142,8 @@ def child(spec: dict) -> dict:
         batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask,
                  "features": torch.randn(1, t, 3 * h if version == 3 else h),
                  "last_hidden": torch.randn(1, t, h)}
+        if spec.get("packed"):  # documents end to end, positions restarting at each
+            batch["position_ids"] = (torch.arange(t) % DOCUMENT)[None]
 
         def step():
             with autocast:
@@ -183,28 +201,46 @@ def child(spec: dict) -> dict:
 # The parent: every measurement in its own process
 
 
+def _spec_of(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k not in ("step_mib", "seconds")}
+
+
+def measure(spec: dict) -> dict:
+    """One measurement in a fresh process: the spec with ``step_mib`` and ``seconds``."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    if done.returncode:
+        raise RuntimeError(f"{name_of(spec)} failed:\n{done.stderr[-2000:]}")
+    return {**spec, **json.loads(done.stdout.strip().splitlines()[-1])}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(REPO / "reports" / "memory_growth.json"))
     parser.add_argument("--only", nargs="*", default=None, help="measurement kinds to run")
+    parser.add_argument("--width", nargs="*", default=None, choices=sorted(WIDTHS),
+                        help="widths to measure (the report keeps the others' earlier rows)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return {}
     results = []
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO)}
     for spec in measurements():
         if args.only and spec["kind"] not in args.only:
             continue
-        done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
-                              capture_output=True, text=True, env=env, cwd=REPO)
-        if done.returncode:
-            raise RuntimeError(f"{name_of(spec)} failed:\n{done.stderr[-2000:]}")
-        result = {**spec, **json.loads(done.stdout.strip().splitlines()[-1])}
+        if args.width and spec["width"] not in args.width:
+            continue
+        result = measure(spec)
         print(json.dumps(result), flush=True)
         results.append(result)
+    measured = {name_of(r) for r in (_spec_of(r) for r in results)}
+    if Path(args.out).is_file():  # the rows not measured again are kept, in their place
+        earlier = json.loads(Path(args.out).read_text()).get("measurements", [])
+        kept = [r for r in earlier if name_of(_spec_of(r)) not in measured]
+        results = kept + results
     report = {"machine": os.uname().machine, "what": __doc__.split("\n")[0],
               "measurements": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -25,8 +25,8 @@ import torch
 import yaml
 from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-from accelerate.utils import DeepSpeedPlugin, DistributedType
-from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+from accelerate.utils import DistributedType
+from accelerate.utils.launch import prepare_multi_gpu_env
 from safetensors.torch import load_file
 from torch import nn
 
@@ -780,9 +780,15 @@ def _launch_args(path: Path):
 
 @pytest.mark.parametrize("name, kind", [
     ("cpu_ddp", DistributedType.MULTI_CPU), ("multi_gpu", DistributedType.MULTI_GPU),
-    ("deepspeed_zero2", DistributedType.DEEPSPEED),
+    ("fsdp2", DistributedType.FSDP), ("multi_node", DistributedType.FSDP),
 ])
 def test_accelerate_configs_load_and_configure_their_plugins(name, kind, monkeypatch):
+    """Each shipped accelerate config loads, names only options accelerate launch has, and the
+    environment accelerate's launcher exports from it is read by train.sharding as meant."""
+    from types import SimpleNamespace
+
+    from train.sharding import FSDP2, REPLICATED, sharding_plan
+
     path = ACCELERATE_CONFIGS / f"{name}.yaml"
     config = load_config_from_file(str(path))
     assert isinstance(config, ClusterConfig) and config.distributed_type == kind
@@ -791,37 +797,48 @@ def test_accelerate_configs_load_and_configure_their_plugins(name, kind, monkeyp
         assert key in known, f"{name}.yaml: accelerate launch has no option {key!r}"
     if kind == DistributedType.MULTI_CPU:
         assert config.use_cpu and config.mixed_precision == "no"
-    else:
-        assert args.mixed_precision == "bf16"
-    if kind == DistributedType.MULTI_GPU:
-        assert args.multi_gpu and prepare_multi_gpu_env(args)["ACCELERATE_MIXED_PRECISION"] == "bf16"
-    if kind == DistributedType.DEEPSPEED:
-        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
-        for key, value in prepare_deepspeed_cmd_env(args)[1].items():
-            monkeypatch.setenv(key, value)
-        ds = DeepSpeedPlugin().deepspeed_config
-        assert ds["zero_optimization"]["stage"] == 2
-        # left to the training config: make_accelerator fills them in
-        assert ds["gradient_accumulation_steps"] == "auto" and ds["gradient_clipping"] == "auto"
+        return
+    assert args.mixed_precision == "bf16"
+    env = prepare_multi_gpu_env(args)
+    assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    for key in [k for k in os.environ if k.startswith(("ACCELERATE_USE_", "FSDP_"))]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    accelerator = SimpleNamespace(num_processes=config.num_processes, mixed_precision="bf16")
+    plan = sharding_plan(SimpleNamespace(target_parallel=2), accelerator)
+    assert plan.trained == (REPLICATED if kind == DistributedType.MULTI_GPU else FSDP2)
+    assert plan.bf16 and plan.reshard_after_forward and plan.target_parallel == 2
+    if name == "multi_node":
+        assert config.num_machines == 2 and config.num_processes == 16
 
 
-def test_sharded_launches_are_refused_with_what_to_use_instead():
+def test_sharded_launches_that_cannot_work_are_refused_with_what_to_use(monkeypatch):
+    """FSDP1, DeepSpeed, offloaded parameters and a target_parallel that does not divide the
+    processes: one line each, naming the config to use instead."""
     from types import SimpleNamespace
 
-    from train.accelerator import refuse_sharded
+    from train.sharding import sharding_plan
 
-    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP)
-    zero3 = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, state=SimpleNamespace(
-        deepspeed_plugin=SimpleNamespace(zero_stage=3)))
-    zero2 = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, state=SimpleNamespace(
-        deepspeed_plugin=SimpleNamespace(zero_stage=2)))
-    for accelerator in (fsdp, zero3):
-        with pytest.raises(ValueError, match=r"the reason: launch with DDP "
-                                             r"\(configs/accelerate/multi_gpu.yaml\) or DeepSpeed "
-                                             r"ZeRO-2"):
-            refuse_sharded(accelerator, "the reason")
-    refuse_sharded(zero2, "the reason")
-    assert not (ACCELERATE_CONFIGS / "fsdp.yaml").exists()  # the configs say what the code does
+    accelerator = SimpleNamespace(num_processes=4, mixed_precision="no")
+    cfg = SimpleNamespace(target_parallel=1)
+    for key in [k for k in os.environ if k.startswith(("ACCELERATE_USE_", "FSDP_"))]:
+        monkeypatch.delenv(key)
+    assert sharding_plan(cfg, accelerator).trained == "replicated"
+    cases = [({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, "fsdp_version: 2"),
+             ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"},
+              "fsdp_offload_params"),
+             ({"ACCELERATE_USE_DEEPSPEED": "true"}, "configs/accelerate/fsdp2.yaml")]
+    for env, named in cases:
+        with monkeypatch.context() as patch:
+            for key, value in env.items():
+                patch.setenv(key, value)
+            with pytest.raises(ValueError, match=re.escape(named)) as refused:
+                sharding_plan(cfg, accelerator)
+            assert "\n" not in str(refused.value)
+    with pytest.raises(ValueError, match="target_parallel 3 does not divide the 4 processes"):
+        sharding_plan(SimpleNamespace(target_parallel=3), accelerator)
+    assert not (ACCELERATE_CONFIGS / "deepspeed_zero2.yaml").exists()
 
 
 def test_checkpoint_state_file_name_is_the_completion_mark(tmp_path):

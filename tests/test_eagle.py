@@ -519,6 +519,7 @@ def test_eagle_loss_module_takes_exactly_the_losss_options():
 
     keywords = {n for n, p in inspect.signature(eagle_loss).parameters.items()
                 if p.kind is p.KEYWORD_ONLY}
-    assert set(EagleLoss.OPTIONS) == keywords - {"reduction", "generator"}
+    # reduction and generator come per call; padding is the batch's (every collate right-pads)
+    assert set(EagleLoss.OPTIONS) == keywords - {"reduction", "generator", "padding"}
     with pytest.raises(TypeError, match="got stepz"):
         EagleLoss(None, stepz=3)

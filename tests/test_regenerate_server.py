@@ -293,3 +293,52 @@ def test_a_server_answering_as_another_model_stops_the_run(unreliable, tokenizer
     with pytest.raises(ValueError, match="answered as 'other': another model would write"):
         regenerate(backend, prompts, out, max_new_tokens=8, temperature=0.0, progress=False)
     assert sorted(by_index(out)) == [0]
+
+
+def _named_server(name: str) -> type[http.server.BaseHTTPRequestHandler]:
+    class Named(http.server.BaseHTTPRequestHandler):
+        """Lists model "m" and answers every chat request with its own name."""
+
+        def _json(self, payload: dict) -> None:
+            body = json.dumps(payload).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self._json({"data": [{"id": "m"}]})
+
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._json({"choices": [{"message": {"role": "assistant", "content": name},
+                                     "finish_reason": "stop"}]})
+
+        def log_message(self, *args):
+            pass
+
+    return Named
+
+
+def test_several_server_urls_share_the_conversations_in_turn(tokenizer):
+    """--url A B (one server per node, or vLLM's data-parallel replicas behind several ports):
+    each is checked for the model, and conversations go to them in turn."""
+    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), _named_server(name))
+               for name in ("first", "second")]
+    for httpd in servers:
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        urls = [f"http://127.0.0.1:{httpd.server_address[1]}/v1" for httpd in servers]
+        backend = OpenAIBackend(urls, "m", tokenizer)
+        backend.check()
+        texts = [backend.answer([{"role": "user", "content": "hello"}], max_new_tokens=4,
+                                temperature=0.0, top_p=1.0, seed=0).text for _ in range(4)]
+        assert texts == ["first", "second", "first", "second"]
+        with pytest.raises(ValueError, match="serves \\['m'\\], not 'other'"):
+            OpenAIBackend(urls, "other", tokenizer).check()
+        with pytest.raises(ValueError, match="http\\(s\\) addresses"):
+            OpenAIBackend([urls[0], "localhost:9"], "m", tokenizer)
+    finally:
+        for httpd in servers:
+            httpd.shutdown()

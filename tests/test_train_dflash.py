@@ -7,6 +7,7 @@ import json
 import random
 
 import pytest
+import test_sharding as sharding
 import torch
 from safetensors.torch import load_file
 from test_train_eagle import conversation, save_tiny_target, write_jsonl
@@ -111,6 +112,24 @@ def test_online_and_offline_features_give_the_same_first_step(files, tmp_path, m
         other = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text()
                  .splitlines() if '"loss"' in line][0]
         assert other["loss"] == pytest.approx(first["loss"], rel=1e-5), run
+
+
+def test_sharded_target_and_fsdp2_draft_train_the_one_process_steps(files, tmp_path):
+    """torchrun, 2 CPU processes: the block draft under FSDP2 (launched as with
+    configs/accelerate/fsdp2.yaml) with the target's layers sharded over both trains the steps
+    one process trains, and the artifact holds the same gathered weights. Every scored position
+    is an anchor (anchors >= the rows' length), so no block depends on how rows are split."""
+    common = dict(max_steps=2, eval_every=0, save_every=0, anchors=64)
+    main(config(files, tmp_path / "one", per_device_batch_size=4, **common))
+    sharding.torchrun("train/dflash.py", config(files, tmp_path / "fsdp2", target_parallel=2,
+                                                per_device_batch_size=2, **common), fsdp2=True)
+    sharding.assert_same_steps(sharding.losses(tmp_path / "one"),
+                               sharding.losses(tmp_path / "fsdp2"))
+    a = load_file(str(tmp_path / "one/artifact/model.safetensors"))
+    b = load_file(str(tmp_path / "fsdp2/artifact/model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_the_benchmark_sizes_blocks_and_decodes_exactly(files, tmp_path):

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import test_sharding as sharding
 import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -466,6 +467,30 @@ def test_two_cpu_processes_sample_reduce_and_export(files, tmp_path):
     info = read_draft_info(out / "artifact")
     assert info["steps"] == 3
     load_draft(str(out / "artifact"), target)
+
+
+def test_sharded_target_and_fsdp2_draft_train_the_one_process_steps(files, tmp_path):
+    """torchrun, 2 CPU processes launched as with configs/accelerate/fsdp2.yaml, the target's
+    layers sharded over both (target_parallel 2) and a fresh one-layer draft under FSDP2
+    (off-policy: a sharded draft cannot sample per process): the 1-process losses, argmax
+    agreement and held-out 1 - TVD (scored in lockstep), and the same draft gathered for the
+    artifact."""
+    common = dict(draft="fresh:1", on_policy_ratio=0.0, max_steps=4, eval_every=0,
+                  heldout_every=2, save_every=0, lr_schedule="constant")
+    main(base_config(files, tmp_path / "one", **common))
+    sharding.torchrun("train/distill.py", base_config(files, tmp_path / "two", target_parallel=2,
+                                                      per_device_batch_size=2, **common),
+                      fsdp2=True)
+    for key in ("loss", "agreement", "heldout/acceptance", "heldout/positions"):
+        expected = [(r["step"], r[key]) for r in records(tmp_path / "one") if key in r]
+        got = [(r["step"], r[key]) for r in records(tmp_path / "two") if key in r]
+        assert len(expected) >= 2
+        sharding.assert_same_steps(expected, got)
+    whole = weights_on_disk(str(tmp_path / "one" / "artifact"))
+    gathered = weights_on_disk(str(tmp_path / "two" / "artifact"))
+    assert gathered.keys() == whole.keys()
+    for name, tensor in whole.items():
+        torch.testing.assert_close(gathered[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.slow

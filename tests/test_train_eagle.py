@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import test_sharding as sharding
 import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -357,6 +358,28 @@ def test_online_and_offline_features_give_the_same_first_step(files, whole_run, 
                 assert offline_first[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
+def test_packing_trains_the_unpacked_steps(files, tmp_path):
+    """packing: true lays each micro-batch's rows end to end (no padding): the same losses,
+    accuracies and weights as padded batches, online and from the offline cache."""
+    common = dict(max_steps=2, eval_every=0, save_every=0, lr_schedule="constant")
+    main(config(files, tmp_path / "padded", **common))
+    main(config(files, tmp_path / "packed", packing="true", **common))
+    main(config(files, tmp_path / "cached", packing="true", feature_mode="offline",
+                feature_dtype="fp32", feature_cache_dir=str(tmp_path / "cache"), **common))
+    padded = losses(tmp_path / "padded")
+    assert all(r["padding"] > 0 for r in padded)
+    weights = load_file(str(tmp_path / "padded/artifact/model.safetensors"))
+    for run in ("packed", "cached"):
+        got = losses(tmp_path / run)
+        assert [r["padding"] for r in got] == [0, 0]
+        for a, b in zip(padded, got, strict=True):
+            for key in ("loss", "ce_loss_0", "acc_0", "acc_2", "tokens"):
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (run, key)
+        packed = load_file(str(tmp_path / run / "artifact/model.safetensors"))
+        for name, tensor in weights.items():
+            torch.testing.assert_close(packed[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_loss_falls_on_a_repeated_batch(files, tmp_path):
     main(config(files, tmp_path, data=files["repeated"], max_steps=20, per_device_batch_size=2,
                 eval_every=0, save_every=0, lr_schedule="constant", learning_rate=1e-2))
@@ -391,6 +414,81 @@ def test_two_processes_match_one_with_the_same_global_batch(files, tmp_path):
     b = load_file(str(tmp_path / "two/artifact/model.safetensors"))
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_sharded_target_and_fsdp2_head_train_the_one_process_steps_and_resume_anywhere(
+        files, tmp_path, monkeypatch):
+    """torchrun, 2 CPU processes (gloo), launched as with configs/accelerate/fsdp2.yaml: the
+    target's layers sharded over both (target_parallel 2) write the offline feature cache, byte
+    for byte the one 1 process writes with a whole target (fp32: the same features exactly);
+    the head under FSDP2 trains the 1-process steps (losses to 1e-5, weights gathered for the
+    artifact); its checkpoint (torch.distributed.checkpoint) resumes on 1 process exactly, and a
+    1-process checkpoint resumes on 2 with the target sharded and the features online. (Token
+    accuracies are compared; ce_loss_<i> is a mean per micro-batch, which the split changes.)"""
+    common = dict(max_steps=4, eval_every=0, save_every=2, lr_schedule="constant")
+    one = tmp_path / "one"
+    main(config(files, one, feature_mode="offline", feature_dtype="fp32",
+                feature_cache_dir=str(tmp_path / "cache1"), **common))
+    expected = sharding.losses(one, "acc_0", "acc_2", "tokens")
+    two = tmp_path / "two"
+    sharding.torchrun("train/eagle.py", config(
+        files, two, per_device_batch_size=2, target_parallel=2, feature_mode="offline",
+        feature_dtype="fp32", feature_cache_dir=str(tmp_path / "cache2"), **common), fsdp2=True)
+    cached = sorted(p.name for p in (tmp_path / "cache1").iterdir())
+    assert cached == sorted(p.name for p in (tmp_path / "cache2").iterdir())
+    for name in cached:
+        assert (tmp_path / "cache1" / name).read_bytes() == \
+            (tmp_path / "cache2" / name).read_bytes(), name
+    sharding.assert_same_steps(expected, sharding.losses(two, "acc_0", "acc_2", "tokens"))
+    assert sorted(p.name for p in (two / "checkpoints/step_2").iterdir()) == [
+        ".draftsmith", "dcp", "random_states_0.pkl", "random_states_1.pkl", "trainer_state.json"]
+    whole = load_file(str(one / "artifact/model.safetensors"))
+    gathered = load_file(str(two / "artifact/model.safetensors"))
+    assert gathered.keys() == whole.keys()
+    for name, tensor in whole.items():
+        torch.testing.assert_close(gathered[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+    for key, value in sharding.fsdp2_env().items():  # 1 process, launched with fsdp2.yaml
+        monkeypatch.setenv(key, value)
+    main(config(files, tmp_path / "back", resume=str(two / "checkpoints/step_2"), **common))
+    sharding.assert_same_steps(expected[2:], sharding.losses(tmp_path / "back", "acc_0",
+                                                             "acc_2", "tokens"))
+    main(config(files, tmp_path / "alone", **{**common, "max_steps": 2}))
+    sharding.torchrun("train/eagle.py", config(
+        files, tmp_path / "forth", per_device_batch_size=2, target_parallel=2,
+        resume=str(tmp_path / "alone/checkpoints/step_2"), **common), fsdp2=True)
+    sharding.assert_same_steps(expected[2:], sharding.losses(tmp_path / "forth", "acc_0",
+                                                             "acc_2", "tokens"))
+
+
+def test_mixing_fsdp2_with_a_ddp_checkpoint_is_refused_before_the_target_loads(
+        files, tmp_path, monkeypatch):
+    """A checkpoint that holds the head whole (DDP, one process) resumed by an FSDP2 launch, and
+    an FSDP2 checkpoint by a DDP launch: one line each naming the config to launch with, before
+    the target loads; nothing in the run directory changes."""
+    import train.sharding as sharding_module
+
+    common = dict(max_steps=2, eval_every=0, save_every=2)
+    main(config(files, tmp_path / "ddp", **common))
+    for key, value in sharding.fsdp2_env().items():
+        monkeypatch.setenv(key, value)
+    main(config(files, tmp_path / "fsdp2", **common))
+
+    def never(*args, **kwargs):
+        raise AssertionError("the target was loaded before the refusal")
+
+    monkeypatch.setattr(sharding_module, "load_run_target", never)
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    with pytest.raises(ValueError, match=r"holds the trained module whole, as DDP trains it "
+                       r".*resume with configs/accelerate/multi_gpu.yaml") as refused:
+        main(config(files, tmp_path / "ddp", resume="latest", **{**common, "max_steps": 3}))
+    assert "\n" not in str(refused.value)
+    for key in sharding.fsdp2_env():
+        monkeypatch.delenv(key)
+    with pytest.raises(ValueError, match=r"holds the trained module as FSDP2 shards \(dcp/\) "
+                       r".*configs/accelerate/fsdp2.yaml"):
+        main(config(files, tmp_path / "fsdp2", resume="latest", **{**common, "max_steps": 3}))
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
 
 
 # ------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import test_sharding as sharding
 import torch
 import torch.nn.functional as F
 from medusa_reference import medusa_loss, rank_hits
@@ -602,6 +603,33 @@ def test_two_processes_regenerate_their_shares_and_train_the_one_process_steps(f
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
         if "eval/tau" in a:  # the acceptance measured on each process's share, summed
             assert b["eval/tau"] == pytest.approx(a["eval/tau"])
+
+
+def test_sharded_target_and_fsdp2_heads_train_the_one_process_steps(files, tmp_path):
+    """torchrun, 2 CPU processes launched as with configs/accelerate/fsdp2.yaml, the target's
+    layers sharded over both (target_parallel 2) and the heads under FSDP2: the 1-process
+    losses, held-out accuracies (every process scores its share in lockstep) and tree, and the
+    same heads gathered into the artifact."""
+    common = dict(max_steps=4, eval_every=0, heldout_every=2, tree_nodes="4", num_heads=2,
+                  save_every=0, lr_schedule="constant")
+    one = main(base_config(files, tmp_path / "one", **common))
+    sharding.torchrun("train/medusa.py", base_config(files, tmp_path / "two", target_parallel=2,
+                                                     per_device_batch_size=2, **common),
+                      fsdp2=True)
+    heldout = ("heldout/head1_top1", "heldout/head2_top5", "heldout/positions")
+    for key in ("loss", "medusa/head1_top1", "medusa/head2_top1", *heldout):  # token-weighted
+        expected = [(r["step"], r[key]) for r in records(tmp_path / "one") if key in r]
+        got = [(r["step"], r[key]) for r in records(tmp_path / "two") if key in r]
+        assert len(expected) >= 2
+        sharding.assert_same_steps(expected, got)
+    whole = weights_on_disk(tmp_path / "one" / "artifact")
+    gathered = weights_on_disk(tmp_path / "two" / "artifact")
+    assert gathered.keys() == whole.keys()
+    for name, tensor in whole.items():
+        torch.testing.assert_close(gathered[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+    info = json.loads((tmp_path / "two" / "artifact" / "config.json").read_text())
+    assert info["tree"] == [list(c) for c in one["tree"]]
+    assert info["tree_info"]["heldout_positions"] == one["tree_info"]["heldout_positions"]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,12 +1,13 @@
-"""The Accelerator a trainer runs under: processes, precision, accumulation, timeouts, sharding.
+"""The Accelerator a trainer runs under: processes, precision, accumulation, timeouts.
 
-Distributed training and mixed precision enter only here, through accelerate. A trainer calls
-:func:`make_accelerator` first (it seeds every random generator before any weights exist), then
-:func:`refuse_sharded` when it needs whole weights on one process.
+Distributed training and mixed precision enter here, through accelerate; what is sharded, and
+how, is train/sharding.py (torch's FSDP2 and device meshes). A trainer calls
+:func:`make_accelerator` first: it seeds every random generator before any weights exist.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import timedelta
 
@@ -14,7 +15,6 @@ import torch
 from accelerate import Accelerator
 from accelerate import utils as accelerate_utils
 from accelerate.utils import (
-    DistributedType,
     InitProcessGroupKwargs,
     ProjectConfiguration,
     parse_flag_from_env,
@@ -87,27 +87,18 @@ def make_accelerator(cfg) -> Accelerator:
         kwargs_handlers=[InitProcessGroupKwargs(
             timeout=timedelta(minutes=cfg.dist_timeout_minutes))],
     )
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is not None and plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
-        # DeepSpeed clips inside its own step; the training config says by how much
-        plugin.deepspeed_config["gradient_clipping"] = float(cfg.max_grad_norm)
     set_seed(cfg.seed)
     return accelerator
 
 
-def is_sharded(accelerator: Accelerator) -> bool:
-    """FSDP or DeepSpeed ZeRO-3: the trained module's weights are split over processes."""
-    return accelerator.distributed_type == DistributedType.FSDP or (
-        accelerator.distributed_type == DistributedType.DEEPSPEED
-        and accelerator.state.deepspeed_plugin.zero_stage == 3)
+def attention_kernels(cfg):
+    """The SDPA kernels a training step may use: all of them, or with ``fused_attention_only``
+    the fused ones alone (flash, memory-efficient, cuDNN), so that a fall-back to the math
+    kernel fails loudly instead of materialising (B, H, n, n) scores."""
+    if not getattr(cfg, "fused_attention_only", False):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                        SDPBackend.CUDNN_ATTENTION])
 
-def refuse_sharded(accelerator: Accelerator, why: str) -> None:
-    """Refuse FSDP and DeepSpeed ZeRO-3 at start, saying why and what to launch with instead.
-
-    ``why``: what the trainer does that needs the whole trained module on one process.
-    """
-    if is_sharded(accelerator):
-        raise ValueError(f"{why}: launch with DDP (configs/accelerate/multi_gpu.yaml) or "
-                         "DeepSpeed ZeRO-2 (configs/accelerate/deepspeed_zero2.yaml), not FSDP / "
-                         "ZeRO-3")

@@ -13,6 +13,9 @@ micro-batch:
 * **fixed rows** (``max_tokens_per_batch`` none): ``per_device_batch_size`` rows in the epoch's
   seeded order, padded to the longest of them.
 
+With ``packed`` (a trainer's ``packing: true``) the rows of a micro-batch are laid end to end in
+one row, so a micro-batch costs its tokens (no padding) and a token budget is filled up to it.
+
 Epoch ``e``'s plan is a pure function of (seed, e, lengths, settings, processes, accumulation):
 a resumed run recomputes it and skips the steps already done, so it sees exactly the rows an
 uninterrupted run would. The leftover micro-batches of an epoch that do not fill a whole step are
@@ -65,7 +68,8 @@ class BatchPlan:
                  per_device_batch_size: int = 8, max_tokens_per_batch: int | None = None,
                  num_processes: int = 1, accumulation: int = 1,
                  weights: Sequence[float] | None = None,
-                 weight_fn: Callable[[Sequence[int], int], float] | None = None):
+                 weight_fn: Callable[[Sequence[int], int], float] | None = None,
+                 packed: bool = False):
         self.lengths = [int(n) for n in lengths]
         self.weights = [float(w) for w in (self.lengths if weights is None else weights)]
         if len(self.weights) != len(self.lengths):
@@ -82,6 +86,7 @@ class BatchPlan:
         self.num_processes = num_processes
         self.accumulation = accumulation
         self.weight_fn = weight_fn
+        self.packed = packed  # rows end to end: a micro-batch costs its tokens, no padding
         self.micro_per_step = num_processes * accumulation
         self._cache: dict[int, tuple] = {}
         longest = max(self.lengths)
@@ -123,11 +128,15 @@ class BatchPlan:
         for start in range(0, len(order), window):
             chunk = sorted(order[start:start + window], key=lambda i: (self.lengths[i], i))
             current: list[int] = []
+            used = 0
             for i in chunk:  # ascending length: the newest row is the longest of the batch
-                if current and (len(current) + 1) * self.lengths[i] > self.max_tokens:
+                cost = (used + self.lengths[i] if self.packed
+                        else (len(current) + 1) * self.lengths[i])
+                if current and cost > self.max_tokens:
                     batches.append(tuple(current))
-                    current = []
+                    current, used = [], 0
                 current.append(i)
+                used += self.lengths[i]
             if current:
                 batches.append(tuple(current))
         if self.shuffle:
@@ -203,9 +212,13 @@ class BatchPlan:
         return list(step.micro_batches[process_index * a:(process_index + 1) * a])
 
 
-def padded_tokens(lengths: Sequence[int], micro_batches: Sequence[Sequence[int]]) -> tuple[int, int]:
-    """(real tokens, tokens including padding) of micro-batches padded to their longest row."""
+def padded_tokens(lengths: Sequence[int], micro_batches: Sequence[Sequence[int]],
+                  packed: bool = False) -> tuple[int, int]:
+    """(real tokens, tokens including padding) of micro-batches padded to their longest row
+    (``packed``: laid end to end, no padding)."""
     real = sum(lengths[i] for rows in micro_batches for i in rows)
+    if packed:
+        return real, real
     padded = sum(len(rows) * max(lengths[i] for i in rows) for rows in micro_batches if rows)
     return real, padded
 
@@ -300,7 +313,8 @@ def make_batches(dataset, cfg, accelerator, collate_fn: Callable, *, lengths: Se
                      max_tokens_per_batch=cfg.max_tokens_per_batch,
                      num_processes=accelerator.num_processes,
                      accumulation=accelerator.gradient_accumulation_steps,
-                     weights=weights, weight_fn=weight_fn)
+                     weights=weights, weight_fn=weight_fn,
+                     packed=bool(getattr(cfg, "packing", False)))
     return TrainBatches(dataset, plan, collate_fn, process_index=accelerator.process_index,
                         num_workers=cfg.num_workers,
                         pin_memory=accelerator.device.type == "cuda")

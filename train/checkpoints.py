@@ -9,7 +9,9 @@ process's random state (dropout, noise), saved by ``accelerator.save_state``.
 Layout under ``<output_dir>/checkpoints/``::
 
     step_<N>/          accelerate's state (model.safetensors, optimizer.bin, random_states_<i>.pkl)
-                       and trainer_state.json: step, data position, the config, the target identity
+                       and trainer_state.json: step, data position, the config, the target identity;
+                       an FSDP2 run's module and optimizer are in dcp/ instead
+                       (torch.distributed.checkpoint: loads at any number of processes)
     .step_<N>.tmp-save/  a save in progress, renamed to step_<N> once complete: a crash never
                        leaves a half-written "latest" (only a step_<N> holding trainer_state.json
                        counts)
@@ -60,6 +62,16 @@ from train.config import (
     may_change_on_resume,
     read_saved_config,
     save_config,
+)
+from train.sharding import (
+    DCP_DIR,
+    FSDP2,
+    REPLICATED,
+    ShardingPlan,
+    all_finite,
+    dcp_problems,
+    load_sharded,
+    save_sharded,
 )
 
 STATE_FILE = "trainer_state.json"
@@ -155,8 +167,13 @@ def checkpoint_problems(path: str | os.PathLike) -> list[str]:
     except ValueError as err:
         return [str(err)]
     problems = []
-    weights = sorted(path.glob("model*.safetensors"))
-    if not weights:
+    if recorded.get("sharding") == FSDP2:  # the module and optimizer: torch.distributed.checkpoint
+        problems += dcp_problems(path)
+        weights = optimizers = []
+    else:
+        weights = sorted(path.glob("model*.safetensors"))
+        optimizers = sorted(path.glob("optimizer*.bin"))
+    if not weights and recorded.get("sharding") != FSDP2:
         problems.append("no model weights (model.safetensors)")
     for file in weights:
         problem = safetensors_problem(file)
@@ -167,8 +184,7 @@ def checkpoint_problems(path: str | os.PathLike) -> list[str]:
             check_finite(load_file(file), file.name, "the run had diverged when it was saved")
         except NonFiniteWeights as err:
             problems.append(str(err))
-    optimizers = sorted(path.glob("optimizer*.bin"))
-    if not optimizers:
+    if not optimizers and recorded.get("sharding") != FSDP2:
         problems.append("no optimizer state (optimizer.bin)")
     for file in optimizers:
         try:
@@ -191,6 +207,64 @@ def checkpoint_problems(path: str | os.PathLike) -> list[str]:
     return problems
 
 
+def resolve_checkpoint(root: Path, spec: str) -> Path | None:
+    """The checkpoint ``spec`` names in ``root`` (a run's ``checkpoints/``): ``latest`` (None if there is none yet), ``previous`` (the
+    one before the newest), a ``step_<N>`` directory, or a run directory / ``checkpoints``
+    folder (its newest checkpoint)."""
+    if spec == "latest":
+        return latest_checkpoint(root)
+    if spec == "previous":
+        found = list_checkpoints(root)
+        if len(found) < 2:
+            raise ValueError(f"--resume previous: {root} holds "
+                             f"{len(found)} complete checkpoint(s), no previous one")
+        return found[-2]
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint to resume from not found: {spec}")
+    if (path / STATE_FILE).is_file():
+        return path
+    newest = latest_checkpoint(path / "checkpoints") or latest_checkpoint(path)
+    if newest is None:
+        raise ValueError(f"{spec} is neither a checkpoint (no {STATE_FILE}) nor a run "
+                         f"directory holding checkpoints/step_<N>; give one of those, "
+                         f"'latest' or 'previous'")
+    return newest
+
+
+def _layout_problem(recorded: dict, path: Path, layout: str) -> str | None:
+    """Why a checkpoint cannot be resumed by a run that holds the trained module as ``layout``
+    (DDP's whole module or FSDP2's shards), or None."""
+    theirs = recorded.get("sharding", REPLICATED)
+    if theirs == layout:
+        return None
+    if theirs == FSDP2:
+        return (f"cannot resume from {path}: it holds the trained module as FSDP2 shards "
+                f"({DCP_DIR}/) and this launch trains it whole (DDP or one process); resume "
+                f"with accelerate launch --config_file configs/accelerate/fsdp2.yaml (any number "
+                f"of processes), or start a new run in another --output_dir")
+    return (f"cannot resume from {path}: it holds the trained module whole, as DDP trains it "
+            f"(model.safetensors, optimizer.bin), and this launch shards it with FSDP2; resume "
+            f"with configs/accelerate/multi_gpu.yaml (DDP), or start a new run in another "
+            f"--output_dir")
+
+
+def check_resume_layout(cfg, plan: ShardingPlan) -> None:
+    """Refuse, before the target loads, a ``--resume`` checkpoint whose trained module is held
+    another way than this launch trains it (FSDP2 shards vs DDP's whole module). Anything else
+    wrong with it is reported later, by the :class:`Checkpointer`, with its context."""
+    if cfg.resume is None:
+        return
+    try:
+        path = resolve_checkpoint(Path(cfg.output_dir) / "checkpoints", cfg.resume)
+        recorded = read_checkpoint_state(path) if path is not None else None
+    except (ValueError, OSError):
+        return
+    problem = recorded and _layout_problem(recorded, path, plan.trained)
+    if problem:
+        raise ValueError(problem)
+
+
 class Checkpointer:
     """Saves ``checkpoints/step_<N>`` atomically, prunes old ones, and resumes from them.
 
@@ -205,8 +279,11 @@ class Checkpointer:
     file.
     """
 
-    def __init__(self, accelerator: Accelerator, cfg, target_identity: dict, plan: BatchPlan):
+    def __init__(self, accelerator: Accelerator, cfg, target_identity: dict, plan: BatchPlan, *,
+                 model=None, optimizer=None, sharded: bool = False):
         self.accelerator = accelerator
+        self.model, self.optimizer = model, optimizer
+        self.layout = FSDP2 if sharded else REPLICATED  # how checkpoints hold the module
         self.cfg = cfg
         self.output_dir = Path(cfg.output_dir)
         self.root = self.output_dir / "checkpoints"
@@ -263,31 +340,14 @@ class Checkpointer:
                           plan=self.plan, wandb_run_id=secrets.token_hex(4))
 
     def resolve(self, spec: str) -> Path | None:
-        """The checkpoint ``spec`` names: ``latest`` (None if there is none yet), ``previous`` (the
-        one before the newest), a ``step_<N>`` directory, or a run directory / ``checkpoints``
-        folder (its newest checkpoint)."""
-        if spec == "latest":
-            return latest_checkpoint(self.root)
-        if spec == "previous":
-            found = list_checkpoints(self.root)
-            if len(found) < 2:
-                raise ValueError(f"--resume previous: {self.root} holds "
-                                 f"{len(found)} complete checkpoint(s), no previous one")
-            return found[-2]
-        path = Path(spec).expanduser()
-        if not path.exists():
-            raise FileNotFoundError(f"checkpoint to resume from not found: {spec}")
-        if (path / STATE_FILE).is_file():
-            return path
-        newest = latest_checkpoint(path / "checkpoints") or latest_checkpoint(path)
-        if newest is None:
-            raise ValueError(f"{spec} is neither a checkpoint (no {STATE_FILE}) nor a run "
-                             f"directory holding checkpoints/step_<N>; give one of those, "
-                             f"'latest' or 'previous'")
-        return newest
+        """The checkpoint ``spec`` names (:func:`resolve_checkpoint`)."""
+        return resolve_checkpoint(self.root, spec)
 
     def check_compatible(self, recorded: dict, path: Path) -> None:
         """Refuse a checkpoint this run cannot continue exactly, naming what differs."""
+        problem = _layout_problem(recorded, path, self.layout)
+        if problem:
+            raise ValueError(problem)
         cls = type(self.cfg).__name__
         if recorded.get("config_class") != cls:
             raise ValueError(f"{path} was written by a trainer configured with "
@@ -380,7 +440,7 @@ class Checkpointer:
         if spec is None:
             self._accept()
             return self._fresh_state()
-        if not self.accelerator._models:
+        if self.model is None and not self.accelerator._models:
             raise ValueError("Checkpointer.resume() loads into the prepared model and optimizer: "
                              "call it after accelerator.prepare(model, optimizer)")
         path = self.resolve(spec)
@@ -399,7 +459,9 @@ class Checkpointer:
                 f"this run has {self.accelerator.num_processes}: data order and learning rate "
                 f"continue exactly, random streams (dropout, noise) do not")
         self._accept()
-        self.accelerator.load_state(str(path))
+        self.accelerator.load_state(str(path))  # DDP's module and optimizer; random states
+        if self.layout == FSDP2:
+            load_sharded(self.model, self.optimizer, path)
         self.last_saved_step = recorded["step"]
         state = self._fresh_state()
         state.step = recorded["step"]
@@ -426,21 +488,26 @@ class Checkpointer:
         if self.last_saved_step == state.step:
             return final
         accelerator = self.accelerator
+        diverged = ("the training diverged: lower learning_rate (or set max_grad_norm) and "
+                    "continue from the last checkpoint"
+                    + (f" (step {self.last_saved_step}) with --resume latest"
+                       if self.last_saved_step else " (none was saved): start again"))
         for model in accelerator._models:  # a diverged run saves nothing it could resume into
             check_finite(accelerator.unwrap_model(model).state_dict(),
-                         f"checkpoint step_{state.step} was not saved",
-                         "the training diverged: lower learning_rate (or set max_grad_norm) and "
-                         "continue from the last checkpoint"
-                         + (f" (step {self.last_saved_step}) with --resume latest"
-                            if self.last_saved_step else " (none was saved): start again"))
+                         f"checkpoint step_{state.step} was not saved", diverged)
+        if self.layout == FSDP2 and not all_finite(self.model):
+            raise NonFiniteWeights(f"checkpoint step_{state.step} was not saved: weights hold "
+                                   f"NaN or infinite values; {diverged}")
         tmp = self.root / f".{final.name}.tmp-save"
         if accelerator.is_main_process:
             stage_dir(final, kind=CHECKPOINT_KIND, name=tmp.name, marker={"step": state.step})
         accelerator.wait_for_everyone()
         accelerator.save_state(str(tmp))
+        if self.layout == FSDP2:
+            save_sharded(self.model, self.optimizer, tmp)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            record = {
+            record = {"sharding": self.layout,
                 "format_version": FORMAT_VERSION, "step": state.step, "epoch": state.epoch,
                 "rows_seen": state.rows_seen, "tokens_seen": state.tokens_seen,
                 "batches": self.plan.budget, "dataset_rows": len(self.plan.lengths),

@@ -499,6 +499,16 @@ class TrainConfig:
     gradient_checkpointing: bool = option(
         False, "recompute the trained module's activations in the backward pass instead of "
         "keeping them (less memory, about a third more compute)", may_change_on_resume=True)
+    fused_attention_only: bool = option(
+        False, "run every scaled_dot_product_attention of a step (the target's, the trained "
+        "module's) in the fused kernels only (flash, memory-efficient, cuDNN): a step that would "
+        "fall back to the math kernel, which materialises the whole score matrix, fails instead "
+        "(a GPU check: scripts/gpu_check.sh)", may_change_on_resume=True)
+    target_parallel: int = option(
+        1, "processes that hold one copy of the frozen target between them (FSDP2 shards of its "
+        "decoder layers, gathered one layer at a time; every process keeps its own batch): 1 = a "
+        "whole copy per process; the GPUs of a node for a target that does not fit one GPU. It "
+        "must divide the number of processes", may_change_on_resume=True, at_least=1)
     dist_timeout_minutes: float = option(
         60.0, "how long a process waits for the others at a collective before the run fails "
         "(NCCL's default is 10 minutes)", may_change_on_resume=True, above=0)

@@ -634,12 +634,16 @@ def _tokenize_into(cache: Path, names: list[str], tokenizer, max_length: int | N
     write_dir(cache, fill, kind=_CACHE_KIND)
 
 
-def collate_causal_lm(rows: Sequence[Mapping], pad_token_id: int) -> dict[str, torch.Tensor]:
+def collate_causal_lm(rows: Sequence[Mapping], pad_token_id: int,
+                      packed: bool = False) -> dict[str, torch.Tensor]:
     """Right-padded batch: ``input_ids``, ``attention_mask``, ``loss_mask``, ``labels``.
 
     All ``(batch, longest row)``; see the module docstring for what each means. Use as
     ``DataLoader(dataset, collate_fn=functools.partial(collate_causal_lm, pad_token_id=...))``.
+    ``packed``: the rows end to end in one row instead (:func:`pack_rows`), no padding at all.
     """
+    if packed:
+        return pack_rows(rows)
     width = max(len(row["input_ids"]) for row in rows)
     input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)  # (batch, seq)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -652,6 +656,28 @@ def collate_causal_lm(rows: Sequence[Mapping], pad_token_id: int) -> dict[str, t
     labels = input_ids.masked_fill(loss_mask == 0, -100)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
             "labels": labels}
+
+
+def pack_rows(rows: Sequence[Mapping], keys: Sequence[str] = ()) -> dict[str, torch.Tensor]:
+    """Rows end to end in one row of a batch of 1, as SpecForge and speculators pack: no padding.
+
+    ``input_ids``, ``loss_mask``, ``labels`` (1, N) with N the rows' tokens; ``position_ids``
+    (1, N) restarting at 0 at each row's first token, which is how the target and the EAGLE loss
+    tell the documents apart (every position attends within its own row: the loss equals the
+    rows' loss unpacked); ``attention_mask`` all ones. ``keys``: further per-token tensors of
+    the rows ((n, F) each) concatenated the same way, (1, N, F).
+    """
+    input_ids = torch.cat([torch.as_tensor(r["input_ids"], dtype=torch.long) for r in rows])
+    loss_mask = torch.cat([torch.as_tensor(r["loss_mask"], dtype=torch.long) for r in rows])
+    position_ids = torch.cat([torch.arange(len(r["input_ids"])) for r in rows])
+    # a row's first token is never a label of the row before it
+    labels = input_ids.masked_fill((loss_mask == 0) | (position_ids == 0), -100)
+    batch = {"input_ids": input_ids[None], "attention_mask": torch.ones_like(input_ids)[None],
+             "loss_mask": loss_mask[None], "labels": labels[None],
+             "position_ids": position_ids[None]}
+    for key in keys:
+        batch[key] = torch.cat([torch.as_tensor(r[key]) for r in rows])[None]  # (1, N, F)
+    return batch
 
 
 if __name__ == "__main__":

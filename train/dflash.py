@@ -177,7 +177,7 @@ MEMORY = MemoryModel(memory_parts, shrink_keys=(
 def build(cfg: DFlashTrainConfig) -> Recipe:
     """The run, ready to train: target, data, draft, loss, evaluation and export."""
     accelerator = start_run(cfg, MEMORY)  # seeds first, then the memory check
-    target = load_feature_target(cfg, accelerator.device)  # frozen; never prepared
+    target = load_feature_target(cfg, accelerator)  # frozen; never prepared
     pad_id = target.tokenizer.pad_token_id
     pad_id = target.eos_token_ids[0] if pad_id is None else pad_id
     with accelerator.main_process_first():

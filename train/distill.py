@@ -69,14 +69,15 @@ from distill.losses import DIVERGENCES, argmax_agreement, divergence, tvd
 from eval.draft import DraftModelProposer
 from heads.chunked_loss import next_token_mask
 from heads.command_line import run_command, shell_command
-from heads.target import Target, is_hub_id, load_target
+from heads.target import Target, is_hub_id
 from train.batches import make_batches, scored_tokens, split_heldout
 from train.checkpoints import TrainState
 from train.config import LoraKeys, TrainConfig, option, parse_config
 from train.data import collate_causal_lm, load_sft_dataset, read_conversations
 from train.estimate import LAYER_FACTOR, MemoryModel, Shape, StepSizes
 from train.loop import Recipe, StepOutput, TrainResult, start_run
-from train.tracking import AcceptanceEval, PeriodicEval
+from train.sharding import FSDP2, load_run_target, sharding_plan, whole_module
+from train.tracking import AcceptanceEval, PeriodicEval, share_batches
 
 FRESH_PREFIX = "fresh:"
 TRUNCATE_PREFIX = "truncate:"
@@ -137,6 +138,10 @@ class DistillConfig(LoraKeys, TrainConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.target_parallel > 1 and self.draft.startswith("truncate:"):
+            raise ValueError(f"draft {self.draft!r} copies the target's first layers, which "
+                             f"target_parallel {self.target_parallel} splits over processes; "
+                             f"give a draft directory, or fresh:N")
         kind, count = draft_kind(self.draft)
         if kind == "directory" and not Path(self.draft).expanduser().is_dir() \
                 and not is_hub_id(self.draft):
@@ -491,12 +496,20 @@ class HeldOutAcceptance(PeriodicEval):
         self.target = target
         self.every = cfg.heldout_every if rows else 0
         self.batches: list[dict] = []
+        self.idle: list[bool] = []  # batches run only because a sharded forward needs everyone
         if not self.every:
             return
-        mine = rows[accelerator.process_index::accelerator.num_processes]
+        plan = sharding_plan(cfg, accelerator)
+        if plan.shards_target and not all(row["answered"] for row in rows):
+            raise ValueError("held-out rows without an answer are answered by the target, one "
+                             "generation per process, which a sharded target cannot do; answer "
+                             "them first (python -m train.data regenerate) or set heldout_every: "
+                             "0")
         size = cfg.per_device_batch_size
-        for start in range(0, len(mine), size):
-            batch = collate_distill(mine[start:start + size], pad_token_id)
+        for index, chosen in enumerate(share_batches(len(rows), accelerator, size, plan.any)):
+            start = index * size  # the batch's first row within this process's share
+            self.idle.append(not chosen)
+            batch = collate_distill([rows[i] for i in chosen or [0]], pad_token_id)
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             # the target answers the prompt-only rows (on_policy True would answer them all)
             batch, _, _ = draft_sampled_batch(
@@ -510,9 +523,11 @@ class HeldOutAcceptance(PeriodicEval):
     def measure(self, module) -> torch.Tensor:
         # float64 sums: (1 - tvd), agreement, divergence, positions
         sums = torch.zeros(4, dtype=torch.float64, device=self.accelerator.device)
-        for batch in self.batches:
+        for batch, idle in zip(self.batches, self.idle, strict=True):
             loss, draft_logits, target_logits = distill_loss(module, self.target, batch, self.cfg,
                                                              reduction="sum")
+            if idle:
+                continue
             n = draft_logits.shape[0]
             ones = torch.ones(n, device=draft_logits.device)
             rejected = tvd(draft_logits, target_logits, ones, temperature=self.cfg.temperature,
@@ -599,7 +614,13 @@ MEMORY = MemoryModel(memory_parts, shrink_keys=(
 def build(cfg: DistillConfig) -> Recipe:
     """The run, ready to train: target, rows, the draft, its loss, evaluation and export."""
     accelerator = start_run(cfg, MEMORY)  # seeds first, then the memory check
-    target = load_target(cfg.target, device=accelerator.device)  # frozen; never prepared
+    if sharding_plan(cfg, accelerator).trained == FSDP2 and cfg.on_policy_ratio > 0:
+        raise ValueError(f"on_policy_ratio is {cfg.on_policy_ratio}, but the launch shards the "
+                         f"draft with FSDP2: every forward of a sharded draft needs all "
+                         f"processes, and each samples continuations of its own length; set "
+                         f"on_policy_ratio: 0, or launch with DDP (configs/accelerate/"
+                         f"multi_gpu.yaml)")
+    target = load_run_target(cfg, accelerator)  # frozen; never prepared; maybe sharded
     pad_id = target.tokenizer.pad_token_id
     pad_id = target.eos_token_ids[0] if pad_id is None else pad_id
 
@@ -663,6 +684,8 @@ def export(cfg: DistillConfig, accelerator, target: Target, result: TrainResult)
     stop message, artifact path, target, draft."""
     accelerator.wait_for_everyone()
     module = accelerator.unwrap_model(result.model)
+    if result.completed:  # FSDP2: the draft gathered whole on the main process
+        module = whole_module(module, lambda: build_draft(cfg, target)) or module
     artifact = None
     if accelerator.is_main_process and result.completed:
         plain = merge_lora(module) if cfg.lora else module

@@ -25,6 +25,13 @@ Features come from the frozen target in one of two ways (``feature_mode``), givi
   Disk for EAGLE-3 on smollm2-135m in bf16: 3.5 KB per token plus 1.2 KB per scored token (see
   ``train/eagle_features.py``).
 
+``packing: true`` lays each micro-batch's rows end to end in one row (positions restarting at
+each row; the target and the head attend within it): no padding, the same loss. The test-time
+attention runs in flex attention on a GPU and in the fused SDPA kernel on a CPU (``attention``,
+heads/ttt_attention.py). A target too large for one GPU is sharded over ``target_parallel``
+processes and the head may be trained under FSDP2 (``accelerate launch --config_file
+configs/accelerate/fsdp2.yaml``; train/sharding.py).
+
 Training data is what ``train.data.load_sft_dataset`` reads. EAGLE recommends answers the target
 wrote itself; write them first with ``python -m train.data regenerate`` (see the configs). The
 draft vocabulary (``d2t``/``t2d``) is computed from the data's assistant tokens the same way on
@@ -68,11 +75,12 @@ from heads.eagle import (
 )
 from heads.eagle_loss import EagleLoss, target_features
 from heads.target import Target
+from heads.ttt_attention import resolve_backend
 from train.batches import make_batches, row_sizes
 from train.config import TrainConfig, option, parse_config
 from train.data import load_sft_dataset
 from train.eagle_features import feature_rows, load_feature_target
-from train.estimate import EAGLE_FACTOR, MemoryModel, Shape, StepSizes
+from train.estimate import EAGLE_FACTOR, EAGLE_STEP_OVERHEAD, MemoryModel, Shape, StepSizes
 from train.loop import Recipe, StepOutput, TrainResult, start_run, write_run_artifact
 from train.tracking import AcceptanceEval
 
@@ -109,6 +117,15 @@ class EagleTrainConfig(TrainConfig):
     feature_dtype: Literal["bf16", "fp32"] = option(
         "bf16", "offline mode: the dtype the cache stores features in (bf16 halves the disk; "
         "the head reads them in its own precision)", may_change_on_resume=True)
+    packing: bool = option(
+        False, "lay the rows of a micro-batch end to end in one row (no padding; a token budget "
+        "counts real tokens); every position attends within its own row, so the loss is the "
+        "unpacked one")
+    attention: Literal["auto", "flex", "sdpa"] = option(
+        "auto", "test-time attention kernel: flex (flex attention with a block mask, compiled; "
+        "GPU only: torch has no flex backward on a CPU), sdpa (fused scaled_dot_product_attention "
+        "with the diagonal as extra keys), auto (flex on a GPU, sdpa on a CPU)",
+        may_change_on_resume=True)
     tree_depth: int = option(DEFAULT_DEPTH, "evaluation: EAGLE-2 tree depth",
                              may_change_on_resume=True)
     tree_topk: int = option(DEFAULT_TOPK, "evaluation: children per expanded tree node",
@@ -178,8 +195,13 @@ def check_resumed_vocabulary(head: EagleHead, d2t: torch.Tensor, t2d: torch.Tens
     draft_vocab.check_same_vocabulary((head.d2t, head.t2d), (d2t, t2d), resumed_from)
 
 
-# ------------------------------------------------------------------------------------------------
-# The run
+def check_attention(setting: str, device) -> str:
+    """The test-time attention kernel of a run on ``device``; flex is refused on a CPU."""
+    kernel = resolve_backend(setting, device)
+    if kernel == "flex" and device.type == "cpu":
+        raise ValueError("config key 'attention' is flex, but torch has no flex-attention "
+                         "backward on a CPU; set attention: sdpa (or auto) to train here")
+    return kernel
 
 
 # ------------------------------------------------------------------------------------------------
@@ -197,7 +219,10 @@ def memory_parts(cfg, target: Shape, sizes: StepSizes) -> dict[str, float]:
     if version == 3:
         trained += draft_vocab * h
     steps = cfg.ttt_steps if version == 3 else 1
-    per_step = EAGLE_FACTOR * (target.layer_saved_per_token(layer_in) + 6 * h) * act
+    # plus what a step keeps per position whatever the width (indices, rotary tables, the
+    # loss's gathered rows): the tests' width (hidden 128) measured it
+    per_step = (EAGLE_FACTOR * (target.layer_saved_per_token(layer_in) + 6 * h)
+                + EAGLE_STEP_OVERHEAD) * act
     if cfg.gradient_checkpointing:  # each step keeps its input; one step is rebuilt at a time
         kept = per_step + steps * 6 * h * act
     else:
@@ -207,6 +232,19 @@ def memory_parts(cfg, target: Shape, sizes: StepSizes) -> dict[str, float]:
         sizes.optimizer(trained)
     parts[f"head activations ({steps} test-time step{'s' if steps > 1 else ''})"] = \
         kept * n
+    # the attention's own inputs and output, kept for its backward: flex lays every earlier
+    # step's keys and values beside step i's (1 + 2 + ... + steps copies); the SDPA kernel keeps
+    # each step's widened queries and output, the step-0 keys and values with the diagonal sinks
+    # and the diagonal's combination, plus a (n, n + i) bool mask per step for packed rows (their
+    # documents told apart) and three more while the next one is built
+    if resolve_backend(getattr(cfg, "attention", "auto"), torch.device(sizes.device)) == "flex":
+        kernel, attention = "flex", 2 * target.kv_dim * act * steps * (steps + 1) / 2
+    else:
+        kernel = "sdpa"
+        attention = (3 * target.q_dim + 2 * target.kv_dim) * act * steps
+        if getattr(cfg, "packing", False):
+            attention += (steps + 3) * n  # bytes per token of the masks
+    parts[f"test-time attention activations ({kernel})"] = attention * n
     parts["target forward and features"] = sizes.target_forward + features * n
     parts[f"loss chunk ({min(cfg.loss_chunk_size, n)} x {draft_vocab})"] = \
         sizes.loss_chunk(cfg, draft_vocab)
@@ -221,7 +259,7 @@ MEMORY = MemoryModel(memory_parts, shrink_keys=(
 def build(cfg: EagleTrainConfig) -> Recipe:
     """The run, ready to train: target, data, head, loss, evaluation and export."""
     accelerator = start_run(cfg, MEMORY)  # seeds first, then the memory check
-    target = load_feature_target(cfg, accelerator.device)  # frozen; never prepared
+    target = load_feature_target(cfg, accelerator)  # frozen; never prepared
     pad_id = target.tokenizer.pad_token_id
     pad_id = target.eos_token_ids[0] if pad_id is None else pad_id
 
@@ -245,12 +283,13 @@ def build(cfg: EagleTrainConfig) -> Recipe:
     model = EagleLoss(head, steps=cfg.ttt_steps, decay=cfg.ttt_decay,
                       feature_noise=cfg.feature_noise, ce_weight=cfg.ce_weight,
                       chunk_size=cfg.loss_chunk_size,
-                      gradient_checkpointing=cfg.gradient_checkpointing)
+                      gradient_checkpointing=cfg.gradient_checkpointing,
+                      attention=check_attention(cfg.attention, accelerator.device))
 
     def step(model, batch: dict, micro_index: int) -> StepOutput:
         if cfg.feature_mode == "online":  # (B, S, F) features and (B, S, h) last hidden
             batch.update(target_features(target, batch["input_ids"], batch["attention_mask"],
-                                         config))
+                                         config, position_ids=batch.get("position_ids")))
         loss, parts = model(batch, reduction="sum")
         tokens = parts.pop("tokens")  # predicted positions of this micro-batch (step 0)
         logged = {}

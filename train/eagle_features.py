@@ -58,7 +58,8 @@ import re
 import shutil
 import struct
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -71,7 +72,8 @@ from tqdm.auto import tqdm
 from heads.eagle import EagleConfig
 from heads.eagle_loss import target_features
 from heads.target import Target, dtype_name
-from train.data import collate_causal_lm
+from heads.target_shards import is_sharded
+from train.data import collate_causal_lm, pack_rows
 
 FORMAT = "draftsmith-feature-cache"
 CACHE_VERSION = 3
@@ -284,6 +286,7 @@ def write_feature_cache(
     dtype: torch.dtype | None = None,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     progress: bool = False,
+    lockstep: Callable[[int], int] | None = None,
 ) -> Path:
     """Run the target over ``dataset`` (rows with input_ids, loss_mask) and cache the features.
 
@@ -294,6 +297,12 @@ def write_feature_cache(
     another target, head layers, dtype, data or ``max_file_bytes`` is an error (see the module
     docstring). ``dtype`` defaults to the target's (bf16 where the target runs in bf16, as on
     GPU). Returns the cache directory.
+
+    The target runs in this thread; a writer thread copies each batch's features into the file
+    (seeks, writes, the final fsync and rename), so the disk is not on the target's critical
+    path. ``lockstep(forwards) -> the most forwards any process runs``: for a sharded target,
+    whose every forward needs all processes, this process then runs extra forwards (discarded)
+    until it has run as many as the busiest.
     """
     if batch_size < 1 or max_file_bytes < 1:
         raise ValueError(f"batch_size and max_file_bytes must be >= 1, got {batch_size}, "
@@ -336,10 +345,17 @@ def write_feature_cache(
         if _TMP in stale.name and stale.name.split(_TMP)[0] in {f["file"] for f in mine}:
             stale.unlink()
     todo = [f for f in mine if not _complete(directory, f)]
-    with tqdm(total=sum(f["tokens"] for f in todo), desc="target features", unit="tok",
-              disable=not (progress and process_index == 0)) as bar:
+    forwards = sum(-(-f["rows"] // batch_size) for f in todo)
+    extra = lockstep(forwards) - forwards if lockstep is not None else 0
+    with (ThreadPoolExecutor(max_workers=1, thread_name_prefix="feature-cache") as writer,
+          tqdm(total=sum(f["tokens"] for f in todo), desc="target features", unit="tok",
+               disable=not (progress and process_index == 0)) as bar):
         for entry in todo:
-            _write_file(target, dataset, directory, config, dtype, entry, batch_size, bar)
+            _write_file(target, dataset, directory, config, dtype, entry, batch_size, bar,
+                        writer)
+        idle = torch.zeros((1, 2), dtype=torch.int64, device=target.device)
+        for _ in range(extra):  # the busiest process's forwards need this one too
+            target_features(target, idle, None, config)
     return directory
 
 
@@ -373,8 +389,10 @@ def _layout(config: EagleConfig | FeatureSpec, dtype: torch.dtype, entry: dict
 
 
 def _write_file(target: Target, dataset, directory: Path, config: EagleConfig | FeatureSpec,
-                dtype: torch.dtype, entry: dict, batch_size: int, bar) -> None:
-    """One file, streamed to a temporary name batch by batch, then renamed (atomic)."""
+                dtype: torch.dtype, entry: dict, batch_size: int, bar, writer) -> None:
+    """One file, streamed to a temporary name batch by batch, then renamed (atomic). The
+    target runs here; ``writer`` (one thread) does every write, in order, at most two batches
+    behind."""
     header, begins, size = _layout(config, dtype, entry)
     first, count = entry["first_row"], entry["rows"]
     rows = [dataset[i] for i in range(first, first + count)]
@@ -386,16 +404,17 @@ def _write_file(target: Target, dataset, directory: Path, config: EagleConfig | 
     scored_offsets = torch.cat([torch.zeros(1, dtype=torch.int64),
                                 torch.tensor([int(s.sum()) for s in scored]).cumsum(0)])
     tmp = directory / f"{entry['file']}{_TMP}{os.getpid()}"
-    with open(tmp, "wb") as out:
+    out = open(tmp, "wb")  # noqa: SIM115 - closed by the writer thread's last job
 
-        def put(name: str, tensor: torch.Tensor, start: int = 0) -> None:
-            """Write ``tensor`` into tensor ``name`` of the file, from its element row
-            ``start`` (rows of the tensor's last dimension)."""
-            data = tensor.contiguous().view(torch.uint8).numpy()
-            row_width = _width(tensor.dtype) * (tensor.shape[-1] if tensor.ndim > 1 else 1)
-            out.seek(begins[name] + start * row_width)
-            out.write(memoryview(data))
+    def put(name: str, tensor: torch.Tensor, start: int = 0) -> None:
+        """Write ``tensor`` into tensor ``name`` of the file, from its element row ``start``
+        (rows of the tensor's last dimension)."""
+        data = tensor.contiguous().view(torch.uint8).numpy()
+        row_width = _width(tensor.dtype) * (tensor.shape[-1] if tensor.ndim > 1 else 1)
+        out.seek(begins[name] + start * row_width)
+        out.write(memoryview(data))
 
+    def head() -> None:
         out.write(header)
         out.truncate(size)
         put("row_offsets", offsets)
@@ -403,6 +422,22 @@ def _write_file(target: Target, dataset, directory: Path, config: EagleConfig | 
         put("loss_mask", torch.cat(masks).to(torch.uint8))
         if config.version == 3:
             put("scored_offsets", scored_offsets)
+
+    def rows_of(chunk, feats: torch.Tensor, lasts: list[torch.Tensor]) -> None:
+        for b, k in enumerate(chunk):
+            n = int(lengths[k])
+            put("features", feats[b, :n], int(offsets[k]))
+            if config.version == 3:
+                put("last_hidden", lasts[b], int(scored_offsets[k]))
+
+    def finish() -> None:
+        out.flush()
+        os.fsync(out.fileno())
+        out.close()
+        os.replace(tmp, directory / entry["file"])
+
+    pending = [writer.submit(head)]
+    try:
         # longest first: similar lengths share a batch (less padding); the order never changes
         # what is written where, so any process writes the same bytes
         order = sorted(range(count), key=lambda k: (-int(lengths[k]), k))
@@ -413,16 +448,22 @@ def _write_file(target: Target, dataset, directory: Path, config: EagleConfig | 
             with torch.no_grad():
                 feats = target_features(target, batch["input_ids"].to(target.device),
                                         batch["attention_mask"].to(target.device), config)
-            for b, k in enumerate(chunk):
-                n = int(lengths[k])
-                put("features", feats["features"][b, :n].to("cpu", dtype), int(offsets[k]))
-                if config.version == 3:
-                    last = feats["last_hidden"][b, :n][scored[k].to(target.device)]
-                    put("last_hidden", last.to("cpu", dtype), int(scored_offsets[k]))
-                bar.update(n)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, directory / entry["file"])
+            # one copy to the host per batch; the rows are cut from it in the writer thread
+            features = feats["features"].to("cpu", dtype)  # (B, S, F)
+            lasts = []
+            if config.version == 3:
+                last = feats["last_hidden"].to("cpu", dtype)  # (B, S, h)
+                lasts = [last[b, :int(lengths[k])][scored[k]] for b, k in enumerate(chunk)]
+            while len(pending) > 2:  # at most two batches wait for the disk
+                pending.pop(0).result()
+            pending.append(writer.submit(rows_of, chunk, features, lasts))
+            bar.update(sum(int(lengths[k]) for k in chunk))
+        pending.append(writer.submit(finish))
+    finally:
+        for job in pending:
+            job.result()  # the writer's errors surface here
+        if not out.closed:
+            out.close()
 
 
 class FeatureCache(Dataset):
@@ -501,12 +542,18 @@ class FeatureCache(Dataset):
         return row
 
 
-def collate_features(rows: Sequence[Mapping], pad_token_id: int) -> dict[str, torch.Tensor]:
+def collate_features(rows: Sequence[Mapping], pad_token_id: int,
+                     packed: bool = False) -> dict[str, torch.Tensor]:
     """Right-padded batch of cached rows with the keys of an online batch.
 
     input_ids, attention_mask, loss_mask, labels as ``collate_causal_lm``; features (B, S, F) and
-    last_hidden (B, S, h) zero-padded (EAGLE-1: last_hidden is features).
+    last_hidden (B, S, h) zero-padded (EAGLE-1: last_hidden is features). ``packed``: the rows
+    end to end in one row with their position_ids (:func:`train.data.pack_rows`).
     """
+    if packed:
+        batch = pack_rows(rows, keys=[k for k in ("features", "last_hidden") if k in rows[0]])
+        batch.setdefault("last_hidden", batch["features"])
+        return batch
     batch = collate_causal_lm(rows, pad_token_id)
     width = batch["input_ids"].shape[1]
     for key in ("features", "last_hidden"):
@@ -525,15 +572,24 @@ def collate_features(rows: Sequence[Mapping], pad_token_id: int) -> dict[str, to
 # what a trainer with ``feature_mode`` (EAGLE, block drafts) reads its rows from
 
 
-def load_feature_target(cfg, device) -> Target:
-    """The target a run needs: only its embedding, final norm and LM head when it trains from a
-    finished cache without evaluating (``feature_mode: offline``, ``eval_every: 0``), else all."""
-    from heads.target import load_target, load_target_parts
+def loads_target_parts(cfg) -> bool:
+    """Whether a run needs only the target's embedding, final norm and LM head: it trains from a
+    finished feature cache without evaluating (``feature_mode: offline``, ``eval_every: 0``)."""
+    if getattr(cfg, "feature_mode", "online") != "offline" or cfg.eval_every:
+        return False
+    try:
+        return cache_is_complete(feature_cache_dir(cfg))
+    except ValueError:
+        return False  # not a cache: reported where the cache is opened
 
-    if cfg.feature_mode == "offline" and not cfg.eval_every and cache_is_complete(
-            feature_cache_dir(cfg)):
-        return load_target_parts(cfg.target, device=device)
-    return load_target(cfg.target, device=device)  # frozen; never prepared
+
+def load_feature_target(cfg, accelerator) -> Target:
+    """The target a run needs: only its embedding, final norm and LM head when it trains from a
+    finished cache without evaluating (:func:`loads_target_parts`), else all of it (sharded
+    when ``target_parallel`` > 1: :func:`train.sharding.load_run_target`)."""
+    from train.sharding import load_run_target
+
+    return load_run_target(cfg, accelerator, parts_only=loads_target_parts(cfg))
 
 
 def feature_cache_dir(cfg) -> Path:
@@ -543,14 +599,21 @@ def feature_cache_dir(cfg) -> Path:
 def feature_rows(cfg, accelerator, target: Target, dataset, config, pad_id: int):
     """(rows, collate) of a run: the tokenised dataset (online: the target runs in the step), or
     the feature cache, written first by every process at once (offline)."""
+    packed = bool(getattr(cfg, "packing", False))
     if cfg.feature_mode != "offline":
-        return dataset, partial(collate_causal_lm, pad_token_id=pad_id)
+        return dataset, partial(collate_causal_lm, pad_token_id=pad_id, packed=packed)
     directory = feature_cache_dir(cfg)
+    lockstep = None
+    if is_sharded(target):  # every forward needs every process: the shares are evened out
+        def lockstep(forwards: int) -> int:
+            counts = accelerator.gather(torch.tensor([forwards], device=accelerator.device))
+            return int(counts.max())
     write_feature_cache(target, dataset, directory, config,
                         process_index=accelerator.process_index,
                         num_processes=accelerator.num_processes,
                         batch_size=cfg.per_device_batch_size,
                         dtype=torch.bfloat16 if cfg.feature_dtype == "bf16" else torch.float32,
-                        progress=accelerator.is_main_process)
+                        progress=accelerator.is_main_process, lockstep=lockstep)
     accelerator.wait_for_everyone()
-    return FeatureCache(directory, config, target), partial(collate_features, pad_token_id=pad_id)
+    return FeatureCache(directory, config, target), partial(collate_features, pad_token_id=pad_id,
+                                                            packed=packed)

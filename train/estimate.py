@@ -8,10 +8,15 @@ after the feature cache is written (hours).
 The estimate is the peak of one training step on one process (``python -m train.memory`` prints
 it for a config):
 
-* **weights**: the frozen target in the dtype it is loaded in (bf16 on GPU, fp32 on CPU);
+* **weights**: the frozen target in the dtype it is loaded in (bf16 on GPU, fp32 on CPU): only
+  its embedding, final norm and LM head when a run trains from a finished feature cache; its
+  decoder layers split over ``target_parallel`` processes (plus the two layers gathered at a
+  time: the one running and the next, prefetched) when it is sharded;
 * **trained parameters**: fp32 master weights, gradients and AdamW's two moments (16 bytes per
   parameter), the gradient being accumulated as it arrives (4 more: the measured intercept of a
-  step), and DDP's gradient buckets when there are several processes (4 more);
+  step), and DDP's gradient buckets when there are several processes (4 more); under FSDP2 the
+  20 bytes are split over the processes and the gathered weights (one copy in the compute dtype)
+  are added instead of the buckets;
 * **activations** (the trainer's :class:`MemoryModel` counts its own): per token of a micro-batch (``max_tokens_per_batch``, else
   ``per_device_batch_size x max_length``, padding counted): what the trained module keeps for its
   backward pass, the frozen target's no-grad forward (one layer's temporaries and the hidden
@@ -38,6 +43,10 @@ GIB = 1024 ** 3
 # measured slope / shape count, the larger of the two widths measured (reports/memory_growth.json)
 LAYER_FACTOR = 1.15   # a decoder layer's forward+backward (SmolLM2 1.10, Llama-3.1-8B 1.08)
 EAGLE_FACTOR = 1.40   # one EAGLE test-time step (SmolLM2 1.31, Llama-3.1-8B 1.06)
+# values per position and test-time step that do not scale with the width (indices, rotary
+# tables, the loss's gathered rows): hidden 128 measured 64 MiB per 1000 tokens over 3 steps where
+# the shape count gave 52 (reports/memory_growth.json, width "tiny")
+EAGLE_STEP_OVERHEAD = 1280
 NO_GRAD_FACTOR = 1.15  # the frozen target's no-grad forward, per token (one layer's temporaries)
 LOSS_CHUNK_COPIES = 6  # logits, log-softmax, the target's logits and distribution, gradients
 #                        (Llama-3.1-8B's EAGLE-1, full vocabulary, T 128 -> 256: 5.4 measured)
@@ -122,11 +131,25 @@ class Estimate:
         return "\n".join(rows + [f"  {'total':<46} {self.total / GIB:8.2f} GiB"])
 
 
-def model_shape(spec: str) -> Shape:
-    """The shape of a target or draft from its config.json, without loading any weights."""
-    from heads.target import check_model_directory, resolve_target
+# config.json of recipe targets shipped without weights (data/SOURCES.md), for estimates made
+# before the target is downloaded
+SHIPPED_SHAPES = Path(__file__).resolve().parents[1] / "data" / "target_configs"
 
-    return Shape.from_config(check_model_directory(resolve_target(spec)))
+
+def model_shape(spec: str) -> Shape:
+    """The shape of a target or draft from its config.json, without loading any weights: the
+    downloaded model's, else (for a hub id not downloaded yet) the copy shipped in
+    data/target_configs/ when there is one."""
+    from heads.file_formats import read_json_object
+    from heads.target import check_model_directory, is_hub_id, resolve_target
+
+    try:
+        return Shape.from_config(check_model_directory(resolve_target(spec)))
+    except FileNotFoundError:
+        shipped = SHIPPED_SHAPES / f"{str(spec).replace('/', '--')}.json"
+        if not (is_hub_id(str(spec)) and shipped.is_file()):
+            raise
+        return Shape.from_config(read_json_object(shipped, fix="reinstall draftsmith"))
 
 
 def tokens_per_micro_batch(cfg) -> int:
@@ -145,10 +168,12 @@ class StepSizes:
     processes: int
     target_forward: float  # bytes of the frozen target's no-grad forward over the micro-batch
     draft: Shape | None = None  # a separate draft model's shape (distillation from a directory)
+    trained_shards: int = 1  # processes the trained module is split over (FSDP2), else 1
+    device: str = "cpu"
 
     def optimizer(self, params: int) -> float:
         """Bytes of ``params`` trained parameters with AdamW (:func:`optimizer_bytes`)."""
-        return optimizer_bytes(params, self.processes)
+        return optimizer_bytes(params, self.processes, self.trained_shards, self.act)
 
     def loss_chunk(self, cfg, vocab: int) -> float:
         """Bytes of one loss chunk over ``vocab`` (:func:`loss_chunk_bytes`)."""
@@ -160,9 +185,12 @@ def loss_chunk_bytes(cfg, tokens: int, vocab: int) -> float:
     return LOSS_CHUNK_COPIES * min(cfg.loss_chunk_size, tokens) * vocab * 4
 
 
-def optimizer_bytes(params: int, processes: int) -> float:
+def optimizer_bytes(params: int, processes: int, shards: int = 1, compute: int = 4) -> float:
     """fp32 master weights, gradients, AdamW's two moments, the accumulated gradient and DDP's
-    buckets (with several processes), per trained parameter."""
+    buckets (with several processes), per trained parameter; split over ``shards`` processes
+    under FSDP2, which gathers the whole weights in the ``compute`` dtype instead of bucketing."""
+    if shards > 1:
+        return params * (16 + 4) / shards + params * compute
     return params * (16 + 4 + (4 if processes > 1 else 0))
 
 
@@ -181,29 +209,55 @@ class MemoryModel:
     draft_spec: Callable[[Any], str | None] | None = None
 
     def estimate(self, cfg, target: Shape, *, device: str = "cpu", processes: int = 1,
-                 draft: Shape | None = None) -> Estimate:
-        """Peak bytes of one training step on one process."""
+                 draft: Shape | None = None, trained_shards: int = 1,
+                 parts_only: bool = False) -> Estimate:
+        """Peak bytes of one training step on one process. ``trained_shards``: processes the
+        trained module is split over (FSDP2); ``parts_only``: the target's embedding, norm and
+        LM head alone are loaded (training from a finished feature cache); the target's shards
+        come from ``cfg.target_parallel``."""
         on_gpu = device != "cpu"
         bf16 = on_gpu or getattr(cfg, "mixed_precision", "no") in ("bf16", "fp16")
         act = 2 if bf16 else 4
         n = tokens_per_micro_batch(cfg)
         sizes = StepSizes(tokens=n, act=act, weight=2 if on_gpu else 4, processes=processes,
                           target_forward=NO_GRAD_FACTOR * target.no_grad_per_token() * act * n,
-                          draft=draft)
+                          draft=draft, trained_shards=trained_shards, device=device)
         est = Estimate(tokens=n, device=device)
         est.parts["process (CUDA context, allocator)" if on_gpu
                   else "process (python, torch, data)"] = RUNTIME_BYTES["cuda" if on_gpu else "cpu"]
-        est.parts["frozen target weights"] = target.params() * sizes.weight
+        name, weights = target_weights(target, int(getattr(cfg, "target_parallel", 1)),
+                                       parts_only)
+        est.parts[name] = weights * sizes.weight
         est.parts.update(self.parts(cfg, target, sizes))
         return est
 
-    def estimate_run(self, cfg, device: str = "cpu", processes: int = 1) -> Estimate:
+    def estimate_run(self, cfg, device: str = "cpu", processes: int = 1,
+                     trained_shards: int = 1) -> Estimate:
         """:meth:`estimate` for a config, the shapes read from the target's (and a draft
-        directory's) config.json."""
+        directory's) config.json; only the parts a run loads (train.eagle_features)."""
+        from train.eagle_features import loads_target_parts
+
         spec = self.draft_spec(cfg) if self.draft_spec else None
         draft = model_shape(spec) if spec else None
         return self.estimate(cfg, model_shape(cfg.target), device=device, processes=processes,
-                             draft=draft)
+                             draft=draft, trained_shards=trained_shards,
+                             parts_only=loads_target_parts(cfg))
+
+
+def target_weights(target: Shape, shards: int, parts_only: bool) -> tuple[str, float]:
+    """(name, parameters held per process) of the frozen target: the whole model; its
+    embedding, final norm and LM head alone (``parts_only``); or those whole plus 1/``shards``
+    of the decoder layers and the two layers gathered at a time (the one running and the next,
+    prefetched)."""
+    ends = target.params(layers=0)  # embedding, LM head (unless tied), final norm
+    if parts_only:
+        return "frozen target: embedding, norm, LM head", ends
+    if shards <= 1:
+        return "frozen target weights", target.params()
+    layers = target.layers * target.layer_params()
+    gathered = 2 * target.layer_params()
+    return (f"frozen target (layers 1/{shards}, 2 gathered)",
+            ends + layers / shards + gathered)
 
 
 def device_capacity(device) -> float | None:
@@ -227,7 +281,7 @@ class DoesNotFit(ValueError):
     """The run's estimated peak memory exceeds the device's."""
 
 
-def check_fits(cfg, accelerator, memory: MemoryModel) -> Estimate | None:
+def check_fits(cfg, accelerator, memory: MemoryModel, plan=None) -> Estimate | None:
     """Refuse, before the target loads, a run whose estimated peak exceeds the device's memory.
 
     Returns the estimate (None where the target's config cannot be read here: loading it then
@@ -235,8 +289,9 @@ def check_fits(cfg, accelerator, memory: MemoryModel) -> Estimate | None:
     for a user who knows better than the estimate.
     """
     device = str(accelerator.device.type)
+    shards = accelerator.num_processes if plan is not None and plan.trained == "fsdp2" else 1
     try:
-        est = memory.estimate_run(cfg, device, accelerator.num_processes)
+        est = memory.estimate_run(cfg, device, accelerator.num_processes, shards)
     except (FileNotFoundError, ValueError, OSError):
         return None
     est.capacity = device_capacity(accelerator.device)
@@ -250,7 +305,9 @@ def check_fits(cfg, accelerator, memory: MemoryModel) -> Estimate | None:
             f"{est.capacity / GIB:.1f} GiB {'total' if device == 'cuda' else 'available'}); "
             f"estimated peak of one step over {est.tokens} tokens per micro-batch:\n{est.table()}"
             f"\nShrink it with {memory.shrink_keys} (the README's memory section gives the "
-            "figures per key); DRAFTSMITH_SKIP_MEMORY_CHECK=1 runs it anyway.")
+            "figures per key); split the frozen target's layers over processes with "
+            "target_parallel (the GPUs of a node) and the trained module with "
+            "configs/accelerate/fsdp2.yaml; DRAFTSMITH_SKIP_MEMORY_CHECK=1 runs it anyway.")
         if os.environ.get("DRAFTSMITH_SKIP_MEMORY_CHECK") == "1":
             accelerator.print(f"[draftsmith] warning: {message}")
         else:

@@ -19,7 +19,8 @@ trainable module and step function into a :class:`Recipe` (``build(cfg)``), whic
     result.metrics.close()
 
 The loop owns everything that is the same for every method: the optimizer (AdamW) and the
-learning rate of each step, ``accelerator.prepare`` of the trainable module alone, resuming from
+learning rate of each step, ``accelerator.prepare`` of the trainable module alone (DDP; or its
+FSDP2 shards, train/sharding.py, when the launch asks for FSDP2), resuming from
 and saving checkpoints, gradient accumulation and clipping, the per-token normalisation of the loss
 over the whole optimizer step (:func:`train.batches.loss_scale`), logging, periodic evaluation,
 stopping on SIGINT/SIGTERM, and stopping on a non-finite loss (nothing is saved or exported then,
@@ -39,11 +40,21 @@ from torch import nn
 
 from heads.artifact import save_artifact
 from heads.command_line import shell_command
-from train.accelerator import make_accelerator, refuse_sharded
+from train.accelerator import attention_kernels, make_accelerator
 from train.batches import TrainBatches, loss_scale, padded_tokens
-from train.checkpoints import Checkpointer, TrainState
+from train.checkpoints import Checkpointer, TrainState, check_resume_layout
+from train.eagle_features import feature_cache_dir
 from train.estimate import MemoryModel, check_fits
 from train.optimizer import apply_learning_rate, make_optimizer
+from train.sharding import (
+    FSDP2,
+    check_shared_directory,
+    check_target_shards,
+    full_state_dict,
+    gradient_sync,
+    shard_trained,
+    sharding_plan,
+)
 from train.signals import GracefulStop
 from train.tracking import MetricsLogger, PeriodicEval, peak_memory_gb
 
@@ -99,9 +110,26 @@ class Recipe:
 
 def start_run(cfg, memory: MemoryModel) -> Accelerator:
     """The first step of every trainer's ``build``: the accelerator (it seeds, before any weight
-    exists), then the memory check (before minutes of loading the target)."""
+    exists), then everything that can refuse the run before minutes of loading the target: the
+    sharding (:func:`train.sharding.sharding_plan`: the mesh, the launch's engine), what a
+    sharded run cannot do, the checkpoint to resume from (written with the same engine), the
+    output directory (and an offline feature cache) shared by every process, and the memory
+    check."""
     accelerator = make_accelerator(cfg)
-    check_fits(cfg, accelerator, memory)
+    plan = sharding_plan(cfg, accelerator)
+    if plan.any and cfg.eval_every:
+        raise ValueError(
+            f"eval_every is {cfg.eval_every}, but this run shards "
+            f"{'the trained module' if plan.trained == FSDP2 else 'the target'}: every forward "
+            f"of a sharded module needs all processes at once, and each process would decode "
+            f"its own prompts; set eval_every: 0 and measure the artifact with python -m "
+            f"eval.bench after training")
+    check_target_shards(cfg, plan)
+    check_resume_layout(cfg, plan)
+    check_shared_directory(accelerator, Path(cfg.output_dir), "output_dir")
+    if getattr(cfg, "feature_mode", "online") == "offline":  # every process reads every file
+        check_shared_directory(accelerator, feature_cache_dir(cfg), "feature_cache_dir")
+    check_fits(cfg, accelerator, memory, plan)
     return accelerator
 
 
@@ -113,7 +141,7 @@ def write_run_artifact(cfg, accelerator: Accelerator, result: TrainResult, *, me
     main process of a completed run writes ``<output_dir>/artifact`` and prints the commands that
     export and measure it; then the metrics and the accelerator are closed. -> (the artifact or
     None, the unwrapped draft)."""
-    weights = accelerator.get_state_dict(result.model)
+    weights = full_state_dict(accelerator.unwrap_model(result.model))  # every process gathers
     draft = getattr(accelerator.unwrap_model(result.model), module)
     artifact = None
     if accelerator.is_main_process and result.completed:
@@ -154,11 +182,15 @@ def run_training(cfg, accelerator: Accelerator, *, model: nn.Module, batches: Tr
     ``stop`` replaces the SIGINT/SIGTERM handler (a subclass that requests a stop after some
     step, say).
     """
-    refuse_sharded(accelerator, "draftsmith trains the draft whole on every process (each holds "
-                   "its frozen target anyway) and evaluates and exports it from every process")
-    optimizer = make_optimizer(model, cfg)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    checkpointer = Checkpointer(accelerator, cfg, target_identity, batches.plan)
+    sharded = sharding_plan(cfg, accelerator).trained == FSDP2
+    if sharded:  # FSDP2 through torch (accelerate shards only on GPUs); never prepared
+        model = shard_trained(model, sharding_plan(cfg, accelerator), accelerator.device)
+        optimizer = make_optimizer(model, cfg)
+    else:
+        optimizer = make_optimizer(model, cfg)
+        model, optimizer = accelerator.prepare(model, optimizer)
+    checkpointer = Checkpointer(accelerator, cfg, target_identity, batches.plan, model=model,
+                                optimizer=optimizer, sharded=sharded)
     state = checkpointer.resume()
     if on_resume is not None and state.resumed_from is not None:
         on_resume(state, accelerator.unwrap_model(model))
@@ -181,8 +213,9 @@ def run_training(cfg, accelerator: Accelerator, *, model: nn.Module, batches: Tr
             mine = plan.rows_of(planned, accelerator.process_index)
             for slot, batch in enumerate(micro_batches):
                 micro_index = index * accumulation + slot
-                with accelerator.accumulate(model):
-                    with accelerator.autocast():
+                with accelerator.accumulate(model), gradient_sync(model,
+                                                                  accelerator.sync_gradients):
+                    with accelerator.autocast(), attention_kernels(cfg):
                         out = step(model, batch, micro_index)
                     accelerator.backward(out.loss * scale)
                     if accelerator.sync_gradients and cfg.max_grad_norm > 0:
@@ -197,7 +230,7 @@ def run_training(cfg, accelerator: Accelerator, *, model: nn.Module, batches: Tr
                 for name, (total, count) in out.metrics.items():
                     metrics.add(name, total, count)
                 metrics.count_tokens(batch["attention_mask"].sum())
-            real, padded = padded_tokens(plan.lengths, planned.micro_batches)
+            real, padded = padded_tokens(plan.lengths, planned.micro_batches, plan.packed)
             metrics.add("padding", padded - real, padded)
             state.step += 1
             state.rows_seen += planned.rows()

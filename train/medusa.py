@@ -101,7 +101,7 @@ from heads.medusa_loss import (
 )
 from heads.medusa_tree import choose_tree, default_chain, expected_tau
 from heads.output_dir import write_dir
-from heads.target import Target, load_target, wrap_target
+from heads.target import Target, wrap_target
 from train.batches import make_batches, row_sizes, split_heldout
 from train.checkpoints import TrainState
 from train.config import LoraKeys, TrainConfig, option, parse_config
@@ -109,7 +109,8 @@ from train.data import collate_causal_lm, load_sft_dataset
 from train.estimate import LAYER_FACTOR, MemoryModel, Shape, StepSizes
 from train.loop import Recipe, StepOutput, TrainResult, start_run
 from train.regenerate import merge_shards, regenerate
-from train.tracking import AcceptanceEval, PeriodicEval
+from train.sharding import load_run_target, sharding_plan, whole_module
+from train.tracking import AcceptanceEval, PeriodicEval, share_batches
 
 _MEDUSA2_ONLY = {"kl_weight": 1.0, "lm_loss_weight": 0.0, "lora_r": 16, "lora_alpha": 32.0,
                  "lora_dropout": 0.0, "lora_target_modules": ["all-linear"]}
@@ -178,6 +179,14 @@ class MedusaTrainConfig(LoraKeys, TrainConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.target_parallel > 1 and (self.medusa2 or self.regenerate):
+            why = ("medusa2 trains a copy of the target" if self.medusa2 else
+                   "regenerate: true answers the prompts with the target, each process its own")
+            fix = ("train Medusa-1" if self.medusa2 else
+                   "regenerate the data first (python -m train.data regenerate)")
+            raise ValueError(f"target_parallel is {self.target_parallel}, but {why}; a sharded "
+                             f"target serves frozen forwards in lockstep only: set "
+                             f"target_parallel: 1, or {fix}")
         if self.num_heads < 1:
             raise ValueError(f"config key 'num_heads' (K, the number of Medusa heads) must be "
                              f">= 1, got {self.num_heads}")
@@ -316,12 +325,14 @@ class HeldOutAccuracy(PeriodicEval):
         self.totals = torch.zeros(cfg.num_heads, dtype=torch.long)
         self.tree = default_chain(cfg.num_heads)
         self.batches: list[dict] = []
+        self.idle: list[bool] = []  # batches run only because a sharded forward needs everyone
         if not self.num_rows:
             return
-        mine = list(range(accelerator.process_index, len(rows), accelerator.num_processes))
-        size = cfg.per_device_batch_size
-        for start in range(0, len(mine), size):
-            batch = collate_causal_lm([rows[i] for i in mine[start:start + size]], pad_token_id)
+        lockstep = sharding_plan(cfg, accelerator).any
+        for rows_of_batch in share_batches(self.num_rows, accelerator, cfg.per_device_batch_size,
+                                           lockstep):
+            batch = collate_causal_lm([rows[i] for i in rows_of_batch or [0]], pad_token_id)
+            self.idle.append(not rows_of_batch)
             self.batches.append({k: batch[k].to(accelerator.device)
                                  for k in ("input_ids", "attention_mask", "loss_mask")})
 
@@ -336,10 +347,12 @@ class HeldOutAccuracy(PeriodicEval):
         # float64 sums: hits (K * topk), totals (K), loss sums and scored positions (K each)
         sums = torch.zeros(k * self.topk + 3 * k, dtype=torch.float64,
                            device=self.accelerator.device)
-        for batch in self.batches:
+        for batch, idle in zip(self.batches, self.idle, strict=True):
             teacher = target_hidden(self.target, batch["input_ids"], batch["attention_mask"])
             _, stats = module(batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
                               teacher, topk=self.topk)
+            if idle:
+                continue
             scored = stats.scored.double()
             sums += torch.cat([stats.hits.double().flatten(), stats.counts.double(),
                                stats.head_loss.double() * scored, scored])
@@ -499,7 +512,12 @@ MEMORY = MemoryModel(memory_parts, shrink_keys=(
 def build(cfg: MedusaTrainConfig) -> Recipe:
     """The run, ready to train: target, data, heads (+ the LoRA copy), evaluation and export."""
     accelerator = start_run(cfg, MEMORY)  # seeds first, then the memory check
-    target = load_target(cfg.target, device=accelerator.device)  # frozen; never prepared
+    if sharding_plan(cfg, accelerator).any and cfg.tree_nodes == "auto":
+        raise ValueError("tree_nodes is auto, which times the target and heads on the main "
+                         "process alone, but this run shards them (every forward needs all "
+                         "processes): give a node count (tree_nodes: 60, say), or size the tree "
+                         "afterwards with python -m eval.bench --tree auto")
+    target = load_run_target(cfg, accelerator)  # frozen; never prepared; maybe sharded
     pad_id = target.tokenizer.pad_token_id
     pad_id = target.eos_token_ids[0] if pad_id is None else pad_id
 
@@ -563,14 +581,18 @@ def build(cfg: MedusaTrainConfig) -> Recipe:
         if maps:
             check_same_vocabulary((module.heads.d2t, module.heads.t2d), maps, state.resumed_from)
 
+    def rebuild() -> MedusaObjective:  # the same module, whole (exports of an FSDP2 run)
+        return build_objective(cfg, target, d2t=d2t, t2d=t2d)
+
     return Recipe(cfg, accelerator, target, batches, objective, step,
-                  export=partial(export, cfg, accelerator, target, heldout, acceptance, verifier),
+                  export=partial(export, cfg, accelerator, target, heldout, acceptance, verifier,
+                                 rebuild),
                   evaluators=[heldout, acceptance], first_record=first,
                   on_resume=check_vocabulary)
 
 
 def export(cfg: MedusaTrainConfig, accelerator, target: Target, heldout: HeldOutAccuracy,
-           acceptance: AcceptanceEval, verifier: Target, result: TrainResult) -> dict:
+           acceptance: AcceptanceEval, verifier: Target, rebuild, result: TrainResult) -> dict:
     """Held-out accuracies -> tree -> artifact -> measured tau, after a completed run; returns
     step, stop message, artifact path, tree, tree_info, the frozen target, the verifier (the
     adapted target in Medusa-2) and heads."""
@@ -580,6 +602,7 @@ def export(cfg: MedusaTrainConfig, accelerator, target: Target, heldout: HeldOut
     module = accelerator.unwrap_model(result.model)
     if result.completed:  # export: held-out accuracies -> tree -> artifact -> measured tau
         heldout.run(state, result.model, metrics)  # every process: the sums are reduced
+        module = whole_module(module, rebuild) or module  # FSDP2: gathered on the main process
         module.eval()
         adapted = None
         if cfg.medusa2:  # every process merges its own replica: the final measurement needs it

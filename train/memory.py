@@ -41,12 +41,26 @@ def main(argv: list[str] | None = None) -> Estimate:
     parser.add_argument("--trainer", choices=sorted(TRAINERS), default=None)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--processes", type=int, default=1)
+    parser.add_argument("--fsdp2", action="store_true",
+                        help="the trained module split over the processes (a launch with "
+                        "configs/accelerate/fsdp2.yaml); the target's shards are the config's "
+                        "target_parallel")
     args, rest = parser.parse_known_args(argv)
     trainer = trainer_of(args.config, args.trainer)
     cfg = parse_config(trainer.config_class, ["--config", args.config, *rest])
-    est = trainer.memory.estimate_run(cfg, args.device, args.processes)
+    if args.processes % cfg.target_parallel:
+        raise ValueError(f"target_parallel {cfg.target_parallel} does not divide --processes "
+                         f"{args.processes}")
+    est = trainer.memory.estimate_run(cfg, args.device, args.processes,
+                                      args.processes if args.fsdp2 else 1)
+    sharding = []
+    if cfg.target_parallel > 1:
+        sharding.append(f"the target sharded over {cfg.target_parallel}")
+    if args.fsdp2:
+        sharding.append(f"the trained module over {args.processes} (FSDP2)")
     print(f"{trainer.name}: one step over {est.tokens} tokens per micro-batch, {args.processes} "
-          f"process{'es' if args.processes > 1 else ''} on {args.device}:\n{est.table()}")
+          f"process{'es' if args.processes > 1 else ''} on {args.device}"
+          f"{', ' + ' and '.join(sharding) if sharding else ''}:\n{est.table()}")
     return est
 
 

@@ -547,8 +547,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     regen_parser.add_argument("--backend", choices=("hf", "openai"), default="hf",
                               help="hf: transformers generate in this process; openai: an "
                                    "OpenAI-compatible server (vLLM, SGLang, TGI, transformers serve)")
-    regen_parser.add_argument("--url", help="openai: the server's address, e.g. "
-                                            "http://127.0.0.1:8000/v1")
+    regen_parser.add_argument("--url", nargs="+",
+                              help="openai: the server's address, e.g. http://127.0.0.1:8000/v1; "
+                                   "several servers (one per node): their addresses, the "
+                                   "conversations spread over them in turn")
     regen_parser.add_argument("--model", help="openai: the model name the server serves")
     regen_parser.add_argument("--concurrency", type=int, default=8,
                               help="openai: conversations in flight")

@@ -15,6 +15,7 @@ model, stops the run.
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import threading
 import time
@@ -106,7 +107,8 @@ class OpenAIBackend:
     """Answers through an OpenAI-compatible server's ``/chat/completions`` (vLLM, SGLang, TGI,
     ``transformers serve``), ``concurrency`` requests in flight.
 
-    ``url`` ends in ``/v1``. The server applies its own chat template; ``tokenizer`` is the
+    ``url`` ends in ``/v1``; a list of them spreads the conversations over several servers (one
+    per node, say), taken in turn. The server applies its own chat template; ``tokenizer`` is the
     target's, which counts what fits in ``max_context`` and checks on the first answer that the
     server's template and tokenizer give the tokens training will see
     (:func:`check_server_tokens`). Connection errors, HTTP 429 and 5xx are retried ``retries``
@@ -114,17 +116,21 @@ class OpenAIBackend:
     ValueError with the server's message. ``api_key`` is sent as a bearer token when given.
     """
 
-    def __init__(self, url: str, model: str, tokenizer, *, concurrency: int = 8,
+    def __init__(self, url: str | list[str], model: str, tokenizer, *, concurrency: int = 8,
                  max_context: int | None = None, timeout: float = 600.0, retries: int = 5,
                  backoff: float = 1.0, api_key: str | None = None):
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"--url must be an http(s) address such as http://127.0.0.1:8000/v1, "
-                             f"got {url!r}")
+        urls = [url] if isinstance(url, str) else list(url)
+        bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+        if not urls or bad:
+            raise ValueError(f"--url must be http(s) addresses such as http://127.0.0.1:8000/v1, "
+                             f"got {bad or urls!r}")
         if concurrency < 1 or retries < 0 or not timeout > 0 or not backoff >= 0:
             raise ValueError(f"need concurrency >= 1, retries >= 0, timeout > 0 and backoff >= 0, "
                              f"got {concurrency}, {retries}, {timeout}, {backoff}")
         check_chat_tokenizer(tokenizer)
-        self.url = url.rstrip("/")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.url = self.urls[0]
+        self._turn = itertools.count()  # which server the next conversation goes to
         self.model = model
         self.tokenizer = tokenizer
         self.concurrency = concurrency
@@ -137,9 +143,11 @@ class OpenAIBackend:
             return _template_ids(self.tokenizer, messages)
 
     def request(self, method: str, path: str, body: dict | None = None,
-                retries: int | None = None) -> dict:
-        """One JSON request, retried on connection errors, 429 and 5xx; a 4xx is a ValueError."""
-        url = self.url + path
+                retries: int | None = None, server: str | None = None) -> dict:
+        """One JSON request (to ``server``, default the first), retried on connection errors,
+        429 and 5xx; a 4xx is a ValueError."""
+        server = server or self.url
+        url = server + path
         data = None if body is None else json.dumps(body).encode("utf-8")
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if self.api_key:
@@ -163,7 +171,7 @@ class OpenAIBackend:
                 failure = ConnectionError
             if attempt == retries:
                 raise failure(f"{method} {url} failed {attempt + 1} times, last with {problem}; "
-                              f"check that the server runs at {self.url}")
+                              f"check that the server runs at {server}")
             time.sleep(min(self.backoff * 2**attempt, 60.0))
         try:
             return json.loads(payload)
@@ -173,11 +181,12 @@ class OpenAIBackend:
 
     def check(self) -> None:
         """The server answers and serves ``model``: a clear error before any work."""
-        listed = self.request("GET", "/models", retries=min(self.retries, 2))
-        served = [m.get("id") for m in listed.get("data", []) if isinstance(m, dict)]
-        if self.model not in served:
-            raise ValueError(f"the server at {self.url} serves {served}, not {self.model!r}; "
-                             f"pass --model with one of those names")
+        for server in self.urls:
+            listed = self.request("GET", "/models", retries=min(self.retries, 2), server=server)
+            served = [m.get("id") for m in listed.get("data", []) if isinstance(m, dict)]
+            if self.model not in served:
+                raise ValueError(f"the server at {server} serves {served}, not "
+                                 f"{self.model!r}; pass --model with one of those names")
 
     def answer(self, messages: list[dict], *, max_new_tokens: int, temperature: float,
                top_p: float, seed: int) -> Answer:
@@ -185,12 +194,13 @@ class OpenAIBackend:
                 "temperature": temperature, "seed": seed, "stream": False}
         if temperature > 0:
             body["top_p"] = top_p
+        server = self.urls[next(self._turn) % len(self.urls)]
         try:
-            reply = self.request("POST", "/chat/completions", body)
+            reply = self.request("POST", "/chat/completions", body, server=server)
         except ServerFailed as err:
             raise BadAnswer(str(err)) from None
         if not same_model(self.model, reply.get("model")):
-            raise ValueError(f"asked {self.url} for model {self.model!r}, it answered as "
+            raise ValueError(f"asked {server} for model {self.model!r}, it answered as "
                              f"{reply.get('model')!r}: another model would write these rows; "
                              f"serve the target alone, or pass the name it serves as --model")
         try:
@@ -198,7 +208,7 @@ class OpenAIBackend:
             text = choice["message"]["content"] or ""
             reason = choice.get("finish_reason")
         except (KeyError, IndexError, TypeError):
-            raise BadAnswer(f"{self.url}/chat/completions answered without a message: "
+            raise BadAnswer(f"{server}/chat/completions answered without a message: "
                             f"{json.dumps(reply)[:300]}") from None
         usage = reply.get("usage") or {}
         answer = Answer(text, reason in ("stop", "eos"), usage.get("prompt_tokens"),

@@ -201,6 +201,22 @@ def resolve_prompts_file(name: str) -> Path:
                             f"directory and in {_REPO}); give an existing file or set eval_every 0")
 
 
+def share_batches(rows: int, accelerator: Accelerator, size: int,
+                  lockstep: bool = False) -> list[list[int]]:
+    """This process's share of ``rows`` evaluation rows (every ``num_processes``-th, from its
+    index) in batches of ``size`` row indices. ``lockstep``: padded with empty batches up to the
+    busiest process's count, for modules whose every forward needs all processes (sharded): the
+    caller runs those on any row and counts nothing from them."""
+    p, processes = accelerator.process_index, accelerator.num_processes
+    mine = list(range(p, rows, processes))
+    batches = [mine[start:start + size] for start in range(0, len(mine), size)]
+    if lockstep:
+        share = -(-rows // processes)  # process 0 holds the most rows
+        most = -(-share // size)
+        batches += [[] for _ in range(most - len(batches))]
+    return batches
+
+
 class PeriodicEval:
     """The skeleton of every periodic measurement a trainer makes while it trains.
 
