@@ -2,7 +2,8 @@
 # The 9k self-distillation set: the embedded target's greedy answers (256 new tokens at most) to
 # data/train/selfdistill9k_prompts.jsonl, through two llama-servers (the f32 GGUF of the target,
 # one thread and 32 parallel slots each: single-threaded servers share a 2-core machine without
-# spinning at barriers), one shard each. Rerun to continue where the shards stop; then
+# spinning at barriers; no prompt cache, which no prompt here would reuse and which grows to 8 GiB
+# per server by default), one shard each. Rerun to continue where the shards stop; then
 #   python -m train.data merge --out data/train/selfdistill9k_answers.jsonl
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +19,7 @@ cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
 for shard in 0 1; do
   port=$((8091 + shard))
-  "$server" -m "$gguf" -np "$SLOTS" -c $((SLOTS * 1024)) --alias smollm2 -t 1 --poll 0 \
+  "$server" -m "$gguf" -np "$SLOTS" -c $((SLOTS * 1024)) --alias smollm2 -t 1 --poll 0 --cache-ram 0 \
     --host 127.0.0.1 --port "$port" > "$LOGS/server-$shard.log" 2>&1 &
   pids+=($!)
 done
