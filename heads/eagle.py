@@ -401,6 +401,66 @@ class EagleHead(nn.Module):
         for p in self.parameters():
             p.requires_grad_(True)
 
+    # the tensors of a Llama-style decoder layer the head's layer has, by the layer's own names
+    LAYER_WEIGHTS = tuple(f"self_attn.{n}_proj.weight" for n in "qkvo") + tuple(
+        f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")) + (
+        "input_layernorm.weight", "post_attention_layernorm.weight")
+
+    def start_as_target_layer(self, weights: dict[str, torch.Tensor], layer: int) -> None:
+        """EAGLE-3: start as the target's decoder layer ``layer`` applied to its input, which must
+        be one of the fused features (``aux_layer_ids``).
+
+        ``weights``: that layer's tensors by its own names (:attr:`LAYER_WEIGHTS`). ``fc`` then
+        passes that feature through unchanged, the feature half of q/k/v, the output projection,
+        the MLP and the norms are the layer's, and the embedding half of q/k/v is zero: at
+        training-time-test step 0 the untrained head computes exactly the target's layer, so it
+        starts from the target's own state ``L - layer - 1`` layers before the last, read through
+        the final norm and the draft LM rows, instead of from noise. A layer with other tensors
+        (Qwen3's q/k norms, biases) or shapes is refused.
+        """
+        if self.version != 3:
+            raise ValueError("starting from a target layer is for EAGLE-3 heads (EAGLE-1 reads "
+                             "the last layer's output, whose layer is already the target's)")
+        aux = self.config.aux_layer_ids
+        if layer not in aux:
+            raise ValueError(f"init_layer {layer} is not one of the fused features {list(aux)}: "
+                             f"the head starts as a layer applied to a feature it reads; choose "
+                             f"one of them (the last, {aux[-1]}, starts nearest the output)")
+        extra = sorted(set(weights) - set(self.LAYER_WEIGHTS))
+        missing = sorted(set(self.LAYER_WEIGHTS) - set(weights))
+        if extra or missing:
+            raise ValueError(f"target layer {layer} is not a Llama layer the head can start as "
+                             f"(tensors it has beyond one: {extra}; lacking: {missing}); train "
+                             f"from a random start (init_layer: none)")
+        h = self.config.hidden_size
+        if self.config.target_hidden_size != h:
+            raise ValueError(f"the head's width {h} is not the target's "
+                             f"{self.config.target_hidden_size}: no target layer fits it")
+        own = self.decoder_layer
+        attn = own.self_attn
+        with torch.no_grad():
+            for name in self.LAYER_WEIGHTS:
+                source = weights[name].to(self.fc.weight.device, self.fc.weight.dtype)
+                if name.split(".")[1] in ("q_proj", "k_proj", "v_proj"):
+                    param = getattr(attn, name.split(".")[1]).weight  # (out, 2h): embeds | feature
+                    expected = (param.shape[0], h)
+                else:
+                    param = own.get_parameter(name)
+                    expected = tuple(param.shape)
+                if tuple(source.shape) != expected:
+                    raise ValueError(f"target layer {layer}'s {name} is {tuple(source.shape)}, "
+                                     f"the head's needs {expected}; train from a random start "
+                                     f"(init_layer: none)")
+                if param.shape != source.shape:
+                    param.zero_()
+                    param[:, h:].copy_(source)
+                else:
+                    param.copy_(source)
+            own.hidden_norm.weight.copy_(own.input_layernorm.weight)
+            self.fc.weight.zero_()  # (h, 3 x h): the chosen feature passes through
+            j = aux.index(layer)
+            self.fc.weight[:, j * h:(j + 1) * h].copy_(torch.eye(h))
+
     @staticmethod
     def _check_target(config: EagleConfig, target: Target) -> None:
         if (

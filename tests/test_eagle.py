@@ -523,3 +523,32 @@ def test_eagle_loss_module_takes_exactly_the_losss_options():
     assert set(EagleLoss.OPTIONS) == keywords - {"reduction", "generator", "padding"}
     with pytest.raises(TypeError, match="got stepz"):
         EagleLoss(None, stepz=3)
+
+
+def test_a_head_started_as_a_target_layer_computes_that_layer_exactly(target, maps):
+    """init_layer: before training, the EAGLE-3 head at step 0 is the target's layer applied to
+    the fused feature it starts from, so its output is the next layer's input, to rounding."""
+    from train.eagle_features import target_layer_weights
+
+    head = make_head(target, 3, maps).to(torch.float64)
+    layer = AUX[1]
+    head.start_as_target_layer(target_layer_weights(target, layer, EagleHead.LAYER_WEIGHTS), layer)
+    ids = torch.tensor([PROMPTS[2]])
+    captured, _ = target.hidden_states(ids, [*AUX, layer + 1])
+    fused = head.fuse(torch.cat([captured[i] for i in AUX], dim=-1))
+    assert torch.equal(fused, captured[layer].to(fused.dtype))  # fc passes that feature through
+    positions = torch.arange(ids.shape[1])[None]
+    out, _ = head(ids, fused, positions)
+    torch.testing.assert_close(out, captured[layer + 1], rtol=0, atol=1e-10)
+    # a random start computes something else
+    fresh = make_head(target, 3, maps).to(torch.float64)
+    assert (fresh(ids, fused, positions)[0] - captured[layer + 1]).abs().max() > 1e-2
+
+    with pytest.raises(ValueError, match="not one of the fused features"):
+        head.start_as_target_layer(target_layer_weights(target, 0, EagleHead.LAYER_WEIGHTS), 0)
+    qwen_like = {**target_layer_weights(target, layer, EagleHead.LAYER_WEIGHTS),
+                 "self_attn.q_norm.weight": torch.ones(16)}
+    with pytest.raises(ValueError, match=r"beyond one: \['self_attn.q_norm.weight'\]"):
+        head.start_as_target_layer(qwen_like, layer)
+    with pytest.raises(ValueError, match="for EAGLE-3 heads"):
+        make_head(target, 1, maps).start_as_target_layer({}, layer)

@@ -543,3 +543,27 @@ def test_resume_refuses_another_config_target_or_data(files, tmp_path):
     write_jsonl(data, rows)
     with pytest.raises(ValueError, match="training data changed .*rows of other lengths"):
         main(config(files, out, resume="latest", **common))
+
+
+def test_init_layer_reads_the_same_layer_from_a_target_loaded_in_parts(files, tmp_path):
+    """A run from a finished feature cache loads the target's embedding, norm and LM head only;
+    init_layer then reads its layer from the checkpoint, and the head starts the same."""
+    from heads.target import load_target_parts
+    from train.eagle_features import target_layer_weights
+
+    whole = load_target(files["target"], dtype=torch.float32)
+    parts = load_target_parts(files["target"], dtype=torch.float32)
+    assert all(p.is_meta for p in parts.layers[2].parameters())
+    from_parts = target_layer_weights(parts, 2, EagleHead.LAYER_WEIGHTS)
+    loaded = target_layer_weights(whole, 2, EagleHead.LAYER_WEIGHTS)
+    assert sorted(from_parts) == sorted(loaded) == sorted(EagleHead.LAYER_WEIGHTS)
+    for name, tensor in loaded.items():
+        assert torch.equal(from_parts[name].to(tensor.dtype), tensor), name
+
+    cfg = config(files, tmp_path / "run", init_layer=3)
+    head = initial_head(cfg, whole)
+    head.start_as_target_layer(target_layer_weights(parts, 3, EagleHead.LAYER_WEIGHTS), 3)
+    assert torch.equal(head.midlayer.mlp.down_proj.weight,
+                       whole.layers[3].mlp.down_proj.weight.float())
+    with pytest.raises(ValueError, match="'init_layer' applies to EAGLE-3 only"):
+        config(files, tmp_path / "run", version=1, init_layer=3)

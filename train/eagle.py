@@ -79,7 +79,7 @@ from heads.ttt_attention import resolve_backend
 from train.batches import make_batches, row_sizes
 from train.config import TrainConfig, option, parse_config
 from train.data import load_sft_dataset
-from train.eagle_features import feature_rows, load_feature_target
+from train.eagle_features import feature_rows, load_feature_target, target_layer_weights
 from train.estimate import EAGLE_FACTOR, EAGLE_STEP_OVERHEAD, MemoryModel, Shape, StepSizes
 from train.loop import Recipe, StepOutput, TrainResult, start_run, write_run_artifact
 from train.tracking import AcceptanceEval
@@ -106,6 +106,10 @@ class EagleTrainConfig(TrainConfig):
     ce_weight: float = option(
         DEFAULT_CE_WEIGHT, "EAGLE-1: weight of the cross-entropy against the target's "
         "distribution next to the feature regression")
+    init_layer: int | None = option(
+        None, "EAGLE-3: start the head as the target's decoder layer of this index applied to "
+        "its input, one of aux_layer_ids (fc passing that feature through, the embedding half "
+        "of q/k/v zero), instead of a random start (none)")
     feature_mode: Literal["online", "offline"] = option(
         "online", "online: run the target inside every step; offline: once over the data into a "
         "feature cache, then train from disk (same batches; may change on resume)",
@@ -139,7 +143,8 @@ class EagleTrainConfig(TrainConfig):
             only_eagle3 = {"aux_layer_ids": (self.aux_layer_ids, None),
                            "draft_vocab_size": (self.draft_vocab_size, None),
                            "ttt_steps": (self.ttt_steps, DEFAULT_TTT_STEPS),
-                           "ttt_decay": (self.ttt_decay, DEFAULT_STEP_DECAY)}
+                           "ttt_decay": (self.ttt_decay, DEFAULT_STEP_DECAY),
+                           "init_layer": (self.init_layer, None)}
             for key, (value, default) in only_eagle3.items():
                 if value != default:
                     raise ValueError(f"config key {key!r} applies to EAGLE-3 only, but version "
@@ -279,6 +284,9 @@ def build(cfg: EagleTrainConfig) -> Recipe:
     # model: fp32 master weights (accelerate's autocast runs them in bf16 where configured); the
     # loss wraps the head so that the whole training-time test is one DDP forward
     head = EagleHead(config, target, d2t=d2t, t2d=t2d, dtype=torch.float32)
+    if cfg.init_layer is not None:  # a resumed run loads its checkpoint's weights over these
+        head.start_as_target_layer(
+            target_layer_weights(target, cfg.init_layer, EagleHead.LAYER_WEIGHTS), cfg.init_layer)
     maps = (d2t.clone(), t2d.clone())  # the head's buffers may share them; a resume overwrites
     model = EagleLoss(head, steps=cfg.ttt_steps, decay=cfg.ttt_decay,
                       feature_noise=cfg.feature_noise, ce_weight=cfg.ce_weight,

@@ -592,6 +592,25 @@ def load_feature_target(cfg, accelerator) -> Target:
     return load_run_target(cfg, accelerator, parts_only=loads_target_parts(cfg))
 
 
+def target_layer_weights(target: Target, layer: int, names: Sequence[str]) -> dict:
+    """The named tensors of the target's decoder layer ``layer``, whole, by the layer's own names:
+    from the loaded layer (gathered from every process when the target is sharded: every process
+    must call it), or from the checkpoint when the run loaded the target in parts (its layers
+    exist only on the meta device). Names the layer lacks are left out."""
+    from torch.distributed.tensor import DTensor
+
+    from heads.target import _read_checkpoint_tensors
+
+    module = target.layers[layer]
+    own = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    if any(t.is_meta for t in own.values()):
+        prefix = next(n for n, m in target.model.named_modules() if m is module) + "."
+        read = _read_checkpoint_tensors(Path(target.path), [prefix + n for n in own])
+        return {n[len(prefix):]: t for n, t in read.items() if n[len(prefix):] in names}
+    return {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+            for n, t in own.items() if n in names}
+
+
 def feature_cache_dir(cfg) -> Path:
     return Path(cfg.feature_cache_dir or Path(cfg.output_dir) / "features")
 
