@@ -19,6 +19,14 @@ EAGLE-3 (``version=3``)
     training-time test: k unrolled steps on its own features, loss weights 0.8^i, soft
     cross-entropy only.
 
+speculators' EAGLE-3 variants (the defaults of its trainer since 0.9; read from its layout by
+layouts/eagle.py, never chosen by draftsmith's trainer), three flags of :class:`EagleConfig`:
+``norm_before_fc`` (one RMSNorm, ``input_norm``, over the concatenated 3h features before ``fc``),
+``norm_before_residual`` (the residual stream starts from the normed feature) and ``norm_output``
+(the next feature is ``norm(out)``, the state ``lm_head`` reads, instead of ``out``). A head
+trained with a sliding window (``sliding_window``) computes as with full attention while every
+position is below the window; a longer context is refused.
+
 Index convention (the one vLLM uses for ``eagle_aux_hidden_state_layer_ids``): feature index i is
 transformers' ``output_hidden_states[i]``, i.e. the input of decoder layer i (the output of layer
 i - 1); index L (= num_hidden_layers) is the final-normed last layer. EAGLE-1 reads index L;
@@ -55,7 +63,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
 
@@ -137,6 +145,11 @@ class EagleConfig:
     # target's (the verifier of exports). Artifacts from before heads were Llama layers hold the
     # target's own config here, which loads for a Llama target.
     layer_config: dict = field(default_factory=dict)
+    # speculators' variants (module docstring); draftsmith's trainer leaves them off
+    norm_before_fc: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = False
+    sliding_window: int | None = None  # attention reaches this many positions back, or all
 
     def __post_init__(self):
         if self.version not in VERSIONS or isinstance(self.version, bool):
@@ -162,6 +175,20 @@ class EagleConfig:
                 f"draft_vocab_size must be in 1..{self.vocab_size} (the target's vocabulary), "
                 f"got {self.draft_vocab_size}"
             )
+        variant = [k for k in ("norm_before_fc", "norm_before_residual", "norm_output")
+                   if not isinstance(getattr(self, k), bool)]
+        if variant:
+            raise ValueError(f"EagleConfig.{variant[0]} must be true or false, got "
+                             f"{getattr(self, variant[0])!r}")
+        if self.version == 1 and (self.norm_before_fc or self.norm_before_residual
+                                  or self.norm_output):
+            raise ValueError("norm_before_fc, norm_before_residual and norm_output are EAGLE-3 "
+                             "variants; an EAGLE-1 head has none of them")
+        if self.sliding_window is not None and (
+                isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int)
+                or self.sliding_window < 1):
+            raise ValueError(f"EagleConfig.sliding_window must be a positive number of positions "
+                             f"or none, got {self.sliding_window!r}")
         if self.hidden_size != self.target_hidden_size:
             raise ValueError(
                 f"the head reuses the target's embedding, so hidden_size ({self.hidden_size}) must "
@@ -246,7 +273,10 @@ class EagleConfig:
     def from_dict(cls, d: dict) -> EagleConfig:
         """From an artifact's config.json (keys such as ``method`` and ``target`` are ignored)."""
         names = {f.name for f in fields(cls)}
-        missing = sorted(n for n in names if n not in d)
+        # keys added since (the speculators variants) have defaults: older artifacts lack them
+        required = {f.name for f in fields(cls) if f.default is MISSING
+                    and f.default_factory is MISSING}
+        missing = sorted(n for n in required if n not in d)
         if missing:
             raise ValueError(f"EAGLE config is missing {missing}; was it written by draftsmith?")
         return cls(**{k: v for k, v in d.items() if k in names})
@@ -382,6 +412,9 @@ class EagleHead(nn.Module):
             layer.hidden_norm = copy.deepcopy(layer.input_layernorm)
             self.midlayer = layer
             self.norm = LlamaRMSNorm(h, eps=self.layer_config.rms_norm_eps)
+            if config.norm_before_fc:  # speculators' name for it
+                self.input_norm = LlamaRMSNorm(3 * config.target_hidden_size,
+                                               eps=self.layer_config.rms_norm_eps)
             self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
             d2t, t2d = self._vocab_maps(config, d2t, t2d)
             self.register_buffer("d2t", d2t.to(torch.int64).to(target.device))
@@ -528,7 +561,9 @@ class EagleHead(nn.Module):
         concatenated in ascending layer order, (B, S, 3 * target_hidden).
         """
         features = features.to(self.dtype)
-        return features if self.version == 1 else self.fc(features)
+        if self.version == 1:
+            return features
+        return self.fc(self.input_norm(features) if self.config.norm_before_fc else features)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids -> target ids (identity for EAGLE-1)."""
@@ -545,8 +580,9 @@ class EagleHead(nn.Module):
         return self.frozen.lm_head.weight if self.version == 1 else self.lm_head.weight
 
     def logit_states(self, out: torch.Tensor) -> torch.Tensor:
-        """The head's output (..., h) -> what its vocabulary projection reads (EAGLE-3: normed)."""
-        return out if self.version == 1 else self.norm(out)
+        """The head's output (..., h) -> what its vocabulary projection reads (EAGLE-3: normed;
+        with ``norm_output`` the output is normed already)."""
+        return out if self.version == 1 or self.config.norm_output else self.norm(out)
 
     def _decoder(self, embeds: torch.Tensor, hidden: torch.Tensor, attend) -> torch.Tensor:
         """The layer around its attention: ``attend`` maps the attention input to its output."""
@@ -558,7 +594,8 @@ class EagleHead(nn.Module):
             attn_in = torch.cat(
                 [layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1
             )  # (B, S, 2h)
-            residual = hidden  # the residual stream starts from the un-normed feature
+            # the residual stream starts from the un-normed feature (speculators' variant: normed)
+            residual = layer.hidden_norm(hidden) if self.config.norm_before_residual else hidden
         out = residual + attend(attn_in)
         return out + layer.mlp(layer.post_attention_layernorm(out))
 
@@ -579,6 +616,11 @@ class EagleHead(nn.Module):
         Returns (next feature (B, S, h), logits (B, S', draft_vocab)), S' = logits_to_keep or S.
         """
         hidden = hidden.to(self.dtype)
+        window = self.config.sliding_window
+        if window is not None and int(position_ids.max()) >= window:
+            raise ValueError(f"this head attended to the last {window} positions only when it "
+                             f"was trained; at position {int(position_ids.max())} full attention "
+                             "would compute something else: keep prompt and answer shorter")
         if attention_mask is None:
             past = cache.get_seq_length() if cache is not None else 0
             attention_mask = causal_mask(input_ids.shape[1], past, self.dtype, self.device)
@@ -595,11 +637,13 @@ class EagleHead(nn.Module):
             )[0]
 
         out = self._decoder(self.embed(input_ids), hidden, attend)
+        if self.version == 3 and self.config.norm_output:
+            out = self.norm(out)  # the next feature is the normed state lm_head reads
         kept = out[:, -logits_to_keep:] if logits_to_keep else out
         if self.version == 1:
             lm_head = self.frozen.lm_head
             return out, lm_head(kept.to(lm_head.weight.dtype))
-        return out, self.lm_head(self.norm(kept))
+        return out, self.lm_head(self.logit_states(kept))
 
     def ttt_step(
         self,
@@ -664,6 +708,8 @@ class EagleHead(nn.Module):
             return attn.o_proj(out.transpose(1, 2).reshape(B, n, -1))
 
         out = self._decoder(embeds, hidden, attend)
+        if self.version == 3 and self.config.norm_output:
+            out = self.norm(out)
         return out, (step_kv[0], step_kv[1])
 
 

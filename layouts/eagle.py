@@ -35,7 +35,12 @@ published for a serving engine:
   them), with or without ``d2t``/``t2d`` (none: the full vocabulary), with or without its own
   ``lm_head`` (none: the target's, as vLLM shares it) and ``embed_tokens`` (which must then be the
   target's: the head reads the target's embedding);
-* EAGLE-3 in the speculators layout (``speculators_model_type: eagle3``, RedHatAI's heads);
+* EAGLE-3 in the speculators layout (``speculators_model_type: eagle3``, RedHatAI's heads, and
+  what ``speculators train`` 0.9.0 writes: its defaults ``norm_before_fc`` (``input_norm.weight``),
+  ``norm_before_residual`` and ``norm_output`` are computed as speculators computes them (see
+  heads/eagle.py), an absent ``norm_before_residual`` read as true as vLLM's speculators bridge
+  reads it; its sliding window (2048 positions for every layer by default) is kept as a limit:
+  full attention is the same computation below it, and a longer context is refused);
 * EAGLE-1 in the vLLM / SGLang layout (``EagleLlamaForCausalLM``, ``LlamaForCausalLMEagle``).
 
 Aux layers are read in vLLM's convention from top-level ``eagle_aux_hidden_state_layer_ids``,
@@ -101,8 +106,11 @@ REFUSED = {
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 EAGLE1_ARCHITECTURES = ("EagleLlamaForCausalLM", "LlamaForCausalLMEagle")
 # config flags of EAGLE-3 variants whose computation draftsmith's head does not have
-_UNSUPPORTED_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output",
-                      "use_aux_norm")
+_UNSUPPORTED_FLAGS = ("fc_norm", "use_aux_norm")
+# the variants it has (heads/eagle.py), read from a published config
+VARIANT_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")
+# a layer config's sliding-window keys: the window becomes the head's sliding_window limit
+_WINDOW_KEYS = ("layer_types", "sliding_window", "use_sliding_window", "max_window_layers")
 ARCHITECTURES = {
     (1, "vllm"): "EagleLlamaForCausalLM",
     (1, "sglang"): "LlamaForCausalLMEagle",
@@ -207,6 +215,11 @@ def eagle_serving_files(
     """
     cfg = EagleConfig.from_dict(meta)
     check_format(FORMATS, REFUSED, cfg.method, fmt)
+    read = [k for k in VARIANT_FLAGS if getattr(cfg, k)] + (
+        ["sliding_window"] if cfg.sliding_window else [])
+    if read:
+        raise ValueError(f"this head sets {read}, speculators' variants that draftsmith reads to "
+                         "evaluate published heads; its exports write draftsmith's own EAGLE-3")
     dtype = state["fc.weight"].dtype
     llama = _llama_config(cfg, dtype)
     provenance = {
@@ -387,7 +400,7 @@ def _our_names(state: dict[str, torch.Tensor], version: int, layout: str,
             continue  # speculators' frozen copies of the verifier's, never part of the head
         out[name] = value
     odd = [k for k in out if k.startswith("layers.") and not k.startswith(layer)
-           or k.startswith(("fc_norm.", "input_norm."))]
+           or k.startswith("fc_norm.")]
     if odd:
         raise ValueError(f"{directory}: weights {odd[:4]} belong to a drafter with more than one "
                          "layer or normed aux features, which draftsmith's EAGLE head does not have")
@@ -429,8 +442,16 @@ def _aux_ids(config: dict, llama: dict, version: int, target: Target) -> tuple[i
     return default_aux_layer_ids(L)
 
 
+def _sliding_window(llama: dict) -> int | None:
+    """The window a layer config slides its attention over, or None for full attention."""
+    sliding = llama.get("use_sliding_window") or "sliding_attention" in (
+        llama.get("layer_types") or [])
+    window = llama.get("sliding_window")
+    return int(window) if sliding and window else None
+
+
 def _eagle_config(config: dict, llama: dict, version: int, state: dict, target: Target,
-                  directory: Path) -> EagleConfig:
+                  directory: Path, variant: dict[str, bool]) -> EagleConfig:
     def need(key):
         if key not in llama:
             raise ValueError(f"{directory}/config.json has no {key!r}")
@@ -477,7 +498,8 @@ def _eagle_config(config: dict, llama: dict, version: int, state: dict, target: 
              if k not in ("architectures", "draftsmith", "eagle_config", "torch_dtype", "dtype",
                           "draft_vocab_size", "target_hidden_size",
                           "eagle_aux_hidden_state_layer_ids", "_name_or_path",
-                          "transformers_version", *_UNSUPPORTED_FLAGS)}
+                          "transformers_version", *_UNSUPPORTED_FLAGS, *VARIANT_FLAGS,
+                          *_WINDOW_KEYS)}
     layer["num_hidden_layers"] = 1
     layer["head_dim"] = head_dim
     return EagleConfig(
@@ -493,6 +515,8 @@ def _eagle_config(config: dict, llama: dict, version: int, state: dict, target: 
         intermediate_size=int(need("intermediate_size")),
         target_num_layers=L,
         layer_config=layer,
+        sliding_window=_sliding_window(llama),
+        **variant,
     )
 
 
@@ -550,12 +574,16 @@ def load_eagle_head(directory: str | os.PathLike, target: Target,
     if on:
         raise ValueError(f"{directory}: config sets {on}, an EAGLE-3 variant whose computation "
                          "draftsmith's head does not implement; it cannot be evaluated here")
+    variant = {k: bool(flags.get(k, False)) for k in VARIANT_FLAGS}
+    if version == 1 and any(variant.values()):
+        raise ValueError(f"{directory}: config sets {[k for k, v in variant.items() if v]}, "
+                         "EAGLE-3 variants, on an EAGLE-1 head")
     recorded = recorded_identity(config)
     if recorded:
         target.check_identity(recorded, what=f"export {directory}",
                               allow_other_weights=allow_other_weights)
     state = _our_names(read_safetensors(directory), version, layout, directory)
-    cfg = _eagle_config(config, llama, version, state, target, directory)
+    cfg = _eagle_config(config, llama, version, state, target, directory, variant)
     bias = state.pop("fc.bias", None)
     if bias is not None and bool(bias.ne(0).any()):
         raise ValueError(f"{directory}: fc has a non-zero bias, which draftsmith heads do not have")

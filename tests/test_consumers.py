@@ -1,4 +1,5 @@
-"""Slow: our EAGLE-3 speculators export loaded by speculators 0.9.0 itself, on the real target.
+"""Slow: our EAGLE-3 speculators export loaded by speculators 0.9.0 itself, and a head built as
+speculators' trainer builds one read by draftsmith, on the real target.
 
 The first run builds an isolated venv (CPU torch 2.13.0 + speculators 0.9.0 from PyPI, about
 1 GB) under ``<draftsmith cache>/consumer-venvs/``; later runs reuse it. The verifier is the
@@ -8,12 +9,18 @@ speculators from an offline Hugging Face cache built from the local converted di
 
 from __future__ import annotations
 
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from heads.eagle import EagleConfig, EagleHead, build_draft_vocab, save_eagle
 from heads.eagle_loss import target_features
 from layouts.consumer_check import install_speculators, run_speculators_check
+from layouts.eagle import load_eagle_head
 from layouts.export import export
 
 
@@ -83,3 +90,44 @@ def test_export_check_runs_speculators_when_its_venv_exists(tmp_path, smollm2, s
     assert "verified: round trip: speculators export read back" in printed
     assert ("verified: speculators 0.9.0 SpeculatorModel.from_pretrained: Eagle3DraftModel, no "
             "missing, unexpected or uninitialised weights") in printed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft_vocab", ["full", "8192"])
+def test_we_compute_what_speculators_trains(tmp_path, smollm2, speculators_python, draft_vocab):
+    """speculators' own EAGLE-3 draft with its trainer's defaults (norm_before_fc,
+    norm_before_residual, norm_output, a sliding window), read by draftsmith: the same logits at
+    the first two training-time-test steps, the second reading the first's (normed) output."""
+    target = smollm2
+    ids = torch.randint(0, target.vocab_size, (1, 16), generator=torch.Generator().manual_seed(3))
+    config = EagleConfig.from_target(target, 3)
+    features = target_features(target, ids, None, config)["features"]  # (1, 16, 3h)
+    save_file({"features": features.contiguous(), "input_ids": ids.contiguous()},
+              str(tmp_path / "inputs.st"))
+    script = Path(__file__).parent / "fixtures" / "speculators_trained_head.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "PYTHON"))}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
+    done = subprocess.run([str(speculators_python), str(script), str(target.path),
+                           str(tmp_path / "inputs.st"), str(tmp_path), draft_vocab],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    theirs = load_file(str(tmp_path / "logits.st"))
+
+    head = load_eagle_head(tmp_path / "head", target).eval()
+    cfg = head.config
+    assert (cfg.norm_before_fc, cfg.norm_before_residual, cfg.norm_output) == (True, True, True)
+    assert cfg.sliding_window == 2048 and "input_norm.weight" in head.state_dict()
+    n = ids.shape[1]
+    positions = torch.arange(n)[None]
+    cache = head.new_cache()
+    with torch.no_grad():
+        out, step0 = head(ids, head.fuse(features), positions, cache=cache)
+        # step 1: each position's second entry, attending to step 0's keys up to it and itself
+        shifted = torch.cat([ids[:, 1:], ids.new_zeros(1, 1)], dim=1)
+        allowed = torch.cat([torch.ones(n, n).tril(), torch.eye(n)], dim=1).bool()
+        mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]
+        _, step1 = head(shifted, out, positions + 1, attention_mask=mask, cache=cache)
+    torch.testing.assert_close(step0, theirs["step0"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(step1, theirs["step1"], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="last 2048 positions"):
+        head(ids[:, :1], out[:, :1], torch.tensor([[2048]]))

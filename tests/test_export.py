@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from heads.eagle import EagleConfig, EagleHead, build_draft_vocab, save_eagle
+from heads.eagle import EagleConfig, EagleHead, attention_bias, build_draft_vocab, save_eagle
 from heads.eagle_loss import target_features
 from heads.medusa import MedusaHeads, save_medusa
 from heads.output_dir import MARKER
@@ -296,6 +296,73 @@ def test_imports_published_eagle3_variants(tmp_path, target, artifacts):
     assert _same_logits(load_eagle_head(shared, target), full_head, target)
 
 
+def test_imports_what_speculators_trains(tmp_path, target, artifacts):
+    """``speculators train`` 0.9.0's defaults: norm_before_fc (input_norm.weight),
+    norm_before_residual, norm_output and a sliding window. That the head then computes what
+    speculators computes is checked against speculators itself in tests/test_consumers.py (slow);
+    here: the flags are read, each changes the drafts, training-time test and inference agree,
+    the window is a limit, and such a head is never exported as draftsmith's own."""
+    head, artifact = artifacts["eagle3"]
+    spec = exported(artifact, "speculators", tmp_path / "spec", target)
+
+    def trained(meta):
+        meta.update(norm_before_fc=True, norm_before_residual=True, norm_output=True)
+        meta["transformer_layer_config"].update(
+            layer_types=["sliding_attention"], sliding_window=32, use_sliding_window=True)
+
+    input_norm = torch.rand(3 * 64, generator=torch.Generator().manual_seed(5),
+                            dtype=torch.float64) + 0.5
+    loaded = load_eagle_head(_republish(spec, tmp_path / "trained", config=trained,
+                                        add={"input_norm.weight": input_norm}), target).eval()
+    cfg = loaded.config
+    assert (cfg.norm_before_fc, cfg.norm_before_residual, cfg.norm_output) == (True, True, True)
+    assert cfg.sliding_window == 32 and "sliding_window" not in cfg.layer_config
+    assert torch.equal(loaded.input_norm.weight, input_norm)
+
+    ids = torch.tensor([[3, 14, 15, 9, 26, 5, 35, 8]])
+    n, positions = ids.shape[1], torch.arange(ids.shape[1])[None]
+    features = target_features(target, ids, None, cfg)["features"]
+    shifted = torch.cat([ids[:, 1:], ids.new_zeros(1, 1)], dim=1)
+    allowed = torch.cat([torch.ones(n, n).tril(), torch.eye(n)], dim=1).bool()
+    mask = attention_bias(allowed, torch.float64)[None, None]
+
+    def two_steps(h):  # inference: step 1 reads step 0's output, as a draft of depth 2 does
+        cache = h.new_cache()
+        with torch.no_grad():
+            out, step0 = h(ids, h.fuse(features), positions, cache=cache)
+            return out, step0, h(shifted, out, positions + 1, attention_mask=mask,
+                                 cache=cache)[1]
+
+    out, step0, step1 = two_steps(loaded)
+    with torch.no_grad():  # training-time test, the path the loss takes
+        h0, kv0 = loaded.ttt_step(ids, loaded.fuse(features), positions)
+        h1, _ = loaded.ttt_step(shifted, h0, positions + 1, past=[kv0])
+        torch.testing.assert_close(h0, out)
+        torch.testing.assert_close(loaded.lm_head(loaded.logit_states(h0)), step0)
+        torch.testing.assert_close(loaded.lm_head(loaded.logit_states(h1)), step1)
+    for flag in ("norm_before_fc", "norm_before_residual", "norm_output"):
+        setattr(loaded.config, flag, False)
+        _, other0, other1 = two_steps(loaded)
+        assert not torch.allclose(other1, step1), flag
+        assert torch.allclose(other0, step0) == (flag == "norm_output"), flag
+        setattr(loaded.config, flag, True)
+    with pytest.raises(ValueError, match="last 32 positions only"):
+        loaded(ids[:, :1], out[:, :1], torch.tensor([[32]]))
+
+    def residual_default(meta):  # vLLM's speculators bridge reads an absent flag as true
+        meta.pop("norm_before_residual")
+
+    redhat = load_eagle_head(_republish(spec, tmp_path / "redhat", config=residual_default),
+                             target)
+    assert redhat.config.norm_before_residual and not redhat.config.norm_output
+    with pytest.raises(ValueError, match="speculators' variants"):
+        export(save_eagle(loaded, tmp_path / "variant", target), "vllm", tmp_path / "out")
+    # artifacts written before these keys existed still load
+    old = {k: v for k, v in head.config.to_dict().items()
+           if k not in ("norm_before_fc", "norm_before_residual", "norm_output", "sliding_window")}
+    assert EagleConfig.from_dict(old) == head.config
+
+
 def test_import_refuses_what_does_not_fit_the_target(tmp_path, target, artifacts):
     _, artifact = artifacts["eagle3"]
     ours = export(artifact, "vllm", tmp_path / "ours")
@@ -348,11 +415,11 @@ def test_import_refuses_pickles_and_unsupported_variants(tmp_path, target, artif
     _, artifact = artifacts["eagle3"]
     spec = exported(artifact, "speculators", tmp_path / "spec", target)
 
-    def residual_default(meta):  # vLLM's speculators bridge reads an absent flag as true
-        meta.pop("norm_before_residual")
+    def per_layer_norms(meta):  # speculators' fc_norm: a norm per aux feature, not implemented
+        meta["fc_norm"] = True
 
-    with pytest.raises(ValueError, match="norm_before_residual"):
-        load_eagle_head(_republish(spec, tmp_path / "redhat", config=residual_default), target)
+    with pytest.raises(ValueError, match=r"\['fc_norm'\], an EAGLE-3 variant"):
+        load_eagle_head(_republish(spec, tmp_path / "fc-norm", config=per_layer_norms), target)
 
     pickled = tmp_path / "authors"
     pickled.mkdir()
