@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -59,6 +58,7 @@ from heads.command_line import run_command
 from heads.eagle import default_aux_layer_ids
 from heads.output_dir import write_atomic
 from heads.target import load_target, resolve_target
+from train.speed import logged_step_seconds, steps_for_budget
 
 # What speculators' trainer needs on a CPU, whatever the variant: its fused losses are Triton
 # kernels (GPU only); torch 2.13 has no flex-attention backward on a CPU ("FlexAttention does not
@@ -334,33 +334,23 @@ def _records(path: str) -> list[dict]:
 def step_seconds(kind: str, metrics: str) -> list[float]:
     """Seconds of each optimizer step the run logged (logging every step).
 
-    ours: metrics.jsonl's tokens (cumulative real tokens) over tokens_per_s of each record;
-    speculators: the times its metric records were logged (speculators_cpu.py adds them)."""
+    ours: train.speed.logged_step_seconds of its metrics.jsonl; speculators: the times its
+    metric records were logged (speculators_cpu.py adds them), one step fewer than it ran."""
     records = _records(metrics)
     if kind == "ours":
-        steps = [r for r in records if r.get("tokens_per_s")]
-        before = [0] + [r["tokens"] for r in steps[:-1]]
-        return [(r["tokens"] - b) / r["tokens_per_s"] for r, b in zip(steps, before)]
+        return logged_step_seconds(records)
     times = [r["time"] for r in records if "train" in r]
     return [b - a for a, b in zip(times, times[1:])]
 
 
 def plan(kind: str, metrics: str, seconds: float, budget: float, record: str | None = None) -> int:
-    """Optimizer steps that fit ``budget`` seconds, from a probe of ``seconds`` wall time."""
-    steps = step_seconds(kind, metrics)
-    if len(steps) < 2:
-        raise ValueError(f"the probe logged {len(steps)} steps in {metrics}; it needs at least 3 "
-                         "(raise --probe-steps)")
-    per_step = sum(steps[1:]) / len(steps[1:])  # the first carries warm-up
-    startup = max(0.0, seconds - sum(steps) - (0 if kind == "ours" else per_step))
-    fit = math.floor((budget - startup) / per_step)
-    if fit < 1:
-        raise ValueError(f"a {budget:.0f} s budget fits no {kind} step: start-up takes "
-                         f"{startup:.0f} s and a step {per_step:.1f} s; give more --minutes")
+    """Optimizer steps that fit ``budget`` seconds, from a probe of ``seconds`` wall time
+    (train.speed.steps_for_budget)."""
+    fit = steps_for_budget(step_seconds(kind, metrics), seconds, budget,
+                           unlogged_steps=0 if kind == "ours" else 1, what=kind)
     _record(record, {"kind": kind, "budget_seconds": round(budget, 1),
-                     "probe_seconds": round(seconds, 1), "startup_seconds": round(startup, 1),
-                     "step_seconds": round(per_step, 2), "steps": fit})
-    return fit
+                     "probe_seconds": round(seconds, 1), **fit})
+    return fit["steps"]
 
 
 def summary(kind: str, metrics: str) -> dict:

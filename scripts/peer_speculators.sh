@@ -203,44 +203,15 @@ for v in $VARIANTS; do
 done
 
 # 3. draftsmith --------------------------------------------------------------------------------
-OURS_ARGS=(--config "$OURS" --data "$DATA" --num_epochs none --eval_every 0 --report_to none
-           --save_every 1000000 --log_every 1)
-say "draftsmith: probe of $PROBE_STEPS steps"
+say "draftsmith: train/eagle.py for ${BUDGET} s (scripts/train_budget.py: probe, plan, run)"
 rm -rf "$OUT/ours"
-mkdir -p "$OUT/ours"
-t=$(now)
-"$PYTHON" train/eagle.py "${OURS_ARGS[@]}" --output_dir "$OUT/ours/probe" \
-  --max_steps "$PROBE_STEPS" > "$OUT/ours/probe.log" 2>&1 \
-  || fail_with_log "$OUT/ours/probe.log" "draftsmith's probe"
-probe_s=$(since "$t")
-OURS_STEPS=$("$PYTHON" scripts/peer_speculators.py plan --kind ours \
-  --metrics "$OUT/ours/probe/metrics.jsonl" --seconds "$probe_s" --budget "$BUDGET" \
-  --record "$OUT/ours/plan.json")
-rm -rf "$OUT/ours/probe"
-say "draftsmith: $OURS_STEPS steps in ${BUDGET} s"
-t=$(now)
-status=0
-run_until "$BUDGET" "$OUT/ours/train.log" "$PYTHON" train/eagle.py "${OURS_ARGS[@]}" \
-  --output_dir "$OUT/ours/run" --max_steps "$OURS_STEPS" || status=$?
-ours_s=$(since "$t")
-stopped=false
-if [ "$status" = 124 ]; then  # stopped at the deadline: the artifact of the step it reached
-  stopped=true
-  reached=$("$PYTHON" -c "import json,sys; print([json.loads(l) for l in open(sys.argv[1]) \
-if l.strip()][-1]['step'])" "$OUT/ours/run/metrics.jsonl")
-  "$PYTHON" train/eagle.py "${OURS_ARGS[@]}" --output_dir "$OUT/ours/run" --resume latest \
-    --max_steps "$reached" >> "$OUT/ours/train.log" 2>&1 \
-    || fail_with_log "$OUT/ours/train.log" "writing draftsmith's artifact after the deadline"
-elif [ "$status" != 0 ]; then
-  fail_with_log "$OUT/ours/train.log" "draftsmith's training"
-fi
-[ -f "$OUT/ours/run/artifact/config.json" ] || fail_with_log "$OUT/ours/train.log" \
-  "draftsmith's training (no artifact)"
-record ours "{\"probe_seconds\": $probe_s, \"plan\": $(cat "$OUT/ours/plan.json"), \
-\"train_seconds\": $ours_s, \"stopped_at_deadline\": $stopped, \"budget_seconds\": $BUDGET, \
+"$PYTHON" scripts/train_budget.py --minutes "$MINUTES" --out "$OUT/ours" \
+  --probe-steps "$PROBE_STEPS" -- --config "$OURS" --data "$DATA" --eval_every 0 \
+  > "$OUT/ours.log" 2>&1 || fail_with_log "$OUT/ours.log" "draftsmith's training"
+record ours "{\"budget\": $(cat "$OUT/ours/budget.json"), \
 \"run\": $("$PYTHON" scripts/peer_speculators.py summary --kind ours \
   --metrics "$OUT/ours/run/metrics.jsonl")}"
-echo "[peer] draftsmith trained ${ours_s} s"
+echo "[peer] draftsmith: $(grep -o '"train_seconds": [0-9.]*' "$OUT/ours/budget.json")"
 METHODS=(--method "eagle:$OUT/ours/run/artifact")
 
 # 4. speculators -------------------------------------------------------------------------------

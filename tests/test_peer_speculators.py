@@ -53,9 +53,9 @@ def test_plan_from_speculators_metrics(tmp_path):
 def test_plan_refuses_a_budget_that_fits_no_step(tmp_path):
     metrics = _jsonl(tmp_path / "m.jsonl", [
         {"step": k, "tokens": 1000 * k, "tokens_per_s": 10.0} for k in (1, 2, 3)])
-    with pytest.raises(ValueError, match="fits no ours step.*give more --minutes"):
+    with pytest.raises(ValueError, match="fits no ours step.*give it more time"):
         peer.plan("ours", metrics, seconds=400, budget=150)  # start-up 100 s, a step 100 s
-    with pytest.raises(ValueError, match="logged 1 steps.*--probe-steps"):
+    with pytest.raises(ValueError, match="logged 1 steps.*give it more steps"):
         peer.plan("ours", _jsonl(tmp_path / "one.jsonl", [
             {"step": 1, "tokens": 10, "tokens_per_s": 1.0}]), seconds=20, budget=100)
     with pytest.raises(FileNotFoundError, match="wrote none"):

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -144,6 +146,34 @@ def measure(trainer: Trainer | str, argv: list[str], steps: int, warmup: int) ->
         "loss_last": timed[-1]["loss"],
         "target_forward_tokens": forward_tokens,
     }
+
+
+def logged_step_seconds(records: Sequence[Mapping]) -> list[float]:
+    """Seconds of each optimizer step of a run that logged every step (``log_every: 1``): each
+    record's new real tokens over its tokens per second (evaluation and checkpoints excluded)."""
+    steps = [r for r in records if r.get("tokens_per_s")]
+    before = [0] + [r["tokens"] for r in steps[:-1]]
+    return [(r["tokens"] - b) / r["tokens_per_s"] for r, b in zip(steps, before, strict=True)]
+
+
+def steps_for_budget(step_seconds: Sequence[float], probe_seconds: float, budget: float, *,
+                     unlogged_steps: int = 0, what: str = "training") -> dict:
+    """How many optimizer steps fit ``budget`` seconds of wall time, from a probe run that took
+    ``probe_seconds`` and logged ``step_seconds``: a step is the mean of the logged steps after
+    the first (which carries the warm-up), the start-up is the probe's time less its steps
+    (``unlogged_steps`` more ran but were not logged). -> ``{"startup_seconds", "step_seconds",
+    "steps"}``; a budget that fits no step is a ValueError."""
+    if len(step_seconds) < 2:
+        raise ValueError(f"the {what} probe logged {len(step_seconds)} steps; it needs at least "
+                         f"2 after its first (give it more steps)")
+    per_step = sum(step_seconds[1:]) / len(step_seconds[1:])
+    startup = max(0.0, probe_seconds - sum(step_seconds) - unlogged_steps * per_step)
+    fit = math.floor((budget - startup) / per_step)
+    if fit < 1:
+        raise ValueError(f"a {budget:.0f} s budget fits no {what} step: start-up takes "
+                         f"{startup:.0f} s and a step {per_step:.1f} s; give it more time")
+    return {"startup_seconds": round(startup, 1), "step_seconds": round(per_step, 2),
+            "steps": fit}
 
 
 def main(argv: list[str] | None = None) -> dict:
