@@ -10,6 +10,14 @@ Three ways to get one:
 * a Hugging Face model directory (an existing small model, or a distilled draft written by
   :func:`save_draft`), checked against the target's vocabulary and tokenizer by :func:`load_draft`.
 
+:func:`restrict_vocabulary` gives a draft a reduced vocabulary (:class:`DraftVocabHead`: the
+``draft_vocab_size`` most frequent answer tokens): its LM head computes those rows only and the
+other tokens' logits are -inf, so its distribution is exactly zero there and every exact
+acceptance rule applies unchanged, while a draft token costs the rows it keeps (on SmolLM2 the
+49152-row head is most of a small draft's work). Such a draft runs in draftsmith's engine; its
+directory is refused by Hugging Face's loader (the head has fewer rows than the vocabulary) rather
+than silently read as another model.
+
 :func:`add_lora` / :func:`merge_lora` train a draft through low-rank adapters (peft) and fold them
 back into plain weights before :func:`save_draft` writes the directory.
 """
@@ -76,11 +84,61 @@ def truncate_model(model: nn.Module, num_layers: int, share: bool = True) -> nn.
     return draft
 
 
+class DraftVocabHead(nn.Module):
+    """A draft's LM head over part of the target's vocabulary: ``weight`` (kept, h) holds the rows
+    of the ``kept`` target ids (ascending); the logits of every other token are -inf."""
+
+    def __init__(self, weight: torch.Tensor, kept: torch.Tensor, vocab_size: int):
+        super().__init__()
+        kept = torch.as_tensor(kept, dtype=torch.int64).reshape(-1)
+        if weight.shape[0] != kept.numel() or not 0 < kept.numel() <= vocab_size:
+            raise ValueError(f"a draft vocabulary of {kept.numel()} ids needs that many weight "
+                             f"rows (got {weight.shape[0]}) and at most {vocab_size} ids")
+        if bool((kept[1:] <= kept[:-1]).any()) or int(kept[0]) < 0 or int(kept[-1]) >= vocab_size:
+            raise ValueError(f"draft vocabulary ids must be ascending, distinct and in "
+                             f"0..{vocab_size - 1}")
+        self.weight = nn.Parameter(weight.detach().clone())
+        # its own copy: a checkpoint loaded into the buffer must not rewrite the caller's ids
+        self.register_buffer("kept", kept.to(weight.device).clone())
+        self.vocab_size = int(vocab_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows = nn.functional.linear(hidden, self.weight)  # (..., kept)
+        logits = rows.new_full((*rows.shape[:-1], self.vocab_size), float("-inf"))
+        return logits.index_copy(-1, self.kept, rows)  # (..., vocab)
+
+
+def output_vocab_size(model: nn.Module) -> int:
+    """The vocabulary a causal LM's logits span (a :class:`DraftVocabHead`'s whole vocabulary)."""
+    head = model.get_output_embeddings()
+    return head.vocab_size if isinstance(head, DraftVocabHead) else int(head.weight.shape[0])
+
+
+def restrict_vocabulary(model: nn.Module, kept: torch.Tensor) -> nn.Module:
+    """Give ``model`` a :class:`DraftVocabHead` over the ascending target ids ``kept``, its rows
+    copied from the current LM head (untied from the input embedding, which keeps every token)."""
+    head = model.get_output_embeddings()
+    if isinstance(head, DraftVocabHead):
+        raise ValueError("this draft has a reduced vocabulary already")
+    kept = torch.as_tensor(kept, dtype=torch.int64, device=head.weight.device)
+    vocab = int(head.weight.shape[0])
+    if int(kept.max()) >= vocab:
+        raise ValueError(f"draft vocabulary ids reach {int(kept.max())}, the LM head has {vocab}")
+    with torch.no_grad():
+        restricted = DraftVocabHead(head.weight[kept], kept, vocab)
+    model.set_output_embeddings(restricted)
+    model.config.tie_word_embeddings = False  # the rows are the head's own now
+    if hasattr(model, "_tied_weights_keys"):
+        model._tied_weights_keys = {} if isinstance(model._tied_weights_keys, dict) else []
+    model.config.draft_vocab_size = int(kept.numel())
+    return model
+
+
 def check_same_vocab(target: Target, draft_model: nn.Module, draft_tokenizer=None,
                      draft_name: str = "draft") -> None:
     """Refuse a draft whose vocabulary or tokenizer differs from the target's, naming both."""
     target_vocab = target.vocab_size
-    draft_vocab = int(draft_model.get_output_embeddings().weight.shape[0])
+    draft_vocab = output_vocab_size(draft_model)
     if draft_vocab != target_vocab:
         raise ValueError(
             f"vocabulary mismatch: draft {draft_name!r} has {draft_vocab} output tokens, target "
@@ -129,8 +187,11 @@ def load_draft(spec: str, target: Target, trainable: bool = False,
         check_model_directory(path, what="draft")
         # never the directory's own code (config.json's auto_map): an architecture transformers
         # lacks is refused with its error
-        draft = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or target.dtype,
-                                                     trust_remote_code=False)
+        if (read_draft_info(path) or {}).get("draft_vocab_size"):
+            draft = _load_restricted(path, dtype or target.dtype)
+        else:
+            draft = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or target.dtype,
+                                                         trust_remote_code=False)
         draft = draft.to(target.device)
         tokenizer = None
         if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
@@ -144,6 +205,32 @@ def load_draft(spec: str, target: Target, trainable: bool = False,
     for p in draft.parameters():
         p.requires_grad_(True)
     return draft
+
+
+def _load_restricted(path: Path, dtype: torch.dtype) -> nn.Module:
+    """A draft directory whose LM head is a :class:`DraftVocabHead` (``lm_head.weight`` with the
+    kept rows, ``lm_head.kept`` their ids), which transformers' loader refuses by design."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+    weights = sorted(path.glob("*.safetensors"))
+    if len(weights) != 1:
+        raise FileNotFoundError(f"{path}: a draft with a reduced vocabulary is one "
+                                f"model.safetensors, found {[w.name for w in weights]}")
+    state = load_file(str(weights[0]))
+    kept = state.get("lm_head.kept")
+    if kept is None or "lm_head.weight" not in state:
+        raise ValueError(f"{path} says it has a reduced vocabulary but holds no lm_head.kept / "
+                         f"lm_head.weight; write the draft again")
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    restrict_vocabulary(model, kept)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight", "model.embed_tokens.weight"} if config.tie_word_embeddings else set()
+    if [m for m in missing if m not in tied] or unexpected:
+        raise ValueError(f"{path}: weights do not fit the draft's config (missing "
+                         f"{missing[:3]}, unexpected {unexpected[:3]})")
+    return model.to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,7 +433,7 @@ def save_draft(model: nn.Module, tokenizer, out_dir: str | os.PathLike, target_i
                          f"{type(model).__name__}; pass accelerator.unwrap_model(model)")
     if tokenizer is None:
         raise ValueError("save_draft needs the target's tokenizer: a draft directory must carry it")
-    rows = int(model.get_output_embeddings().weight.shape[0])
+    rows = output_vocab_size(model)
     recorded = target_identity.get("vocab_size")
     if recorded is not None and int(recorded) != rows:
         raise ValueError(
@@ -363,6 +450,9 @@ def save_draft(model: nn.Module, tokenizer, out_dir: str | os.PathLike, target_i
         raise ValueError(f"extra may not set {sorted(reserved)}: save_draft writes those itself")
     info = {"method": "draft", "format_version": FORMAT_VERSION, "target": dict(target_identity),
             **extra}
+    head = model.get_output_embeddings()
+    if isinstance(head, DraftVocabHead):  # what load_draft reads back through its own path
+        info["draft_vocab_size"] = int(head.kept.numel())
     try:
         json.dumps(info)
     except TypeError as err:

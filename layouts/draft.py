@@ -34,6 +34,14 @@ def export_layout(artifact_dir: str | os.PathLike, fmt: str, out_dir: str | os.P
     """The layouts table's entry: a distilled draft in ``fmt`` (hf, or gguf for llama.cpp's
     ``--spec-type draft-simple``: the Hugging Face export converted by llama.cpp's converter)."""
     check_format(FORMATS, REFUSED, "draft", fmt)
+    info = read_json_object(Path(artifact_dir) / "config.json",
+                            fix="the draft is damaged").get("draftsmith") or {}
+    if info.get("draft_vocab_size"):
+        raise ValueError(
+            f"{artifact_dir} has a reduced vocabulary ({info['draft_vocab_size']} tokens, -inf "
+            f"logits elsewhere): only draftsmith's engine runs it (eval.bench --method "
+            f"draft:{artifact_dir}); transformers, vLLM and llama.cpp need a draft over the "
+            f"target's whole vocabulary: train with draft_vocab_size: none to serve it there")
     if fmt == "gguf":
         return write_gguf(out_dir, lambda tmp: export_draft_hf(artifact_dir, tmp),
                           gguf_type=options.gguf_type, overwrite=options.overwrite,

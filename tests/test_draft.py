@@ -24,10 +24,11 @@ from distill.draft import (
     load_draft,
     merge_lora,
     read_draft_info,
+    restrict_vocabulary,
     save_draft,
     truncate_model,
 )
-from distill.losses import forward_kl
+from distill.losses import forward_kl, jsd
 from heads.target import wrap_target
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
@@ -350,3 +351,58 @@ def test_real_smollm2_tokenizer_draft_round_trip(tmp_path):
         reference = target.model.generate(prompt, **kwargs)
         assisted = target.model.generate(prompt, assistant_model=loaded, **kwargs)
     assert assisted.tolist() == reference.tolist()
+
+
+def test_a_draft_over_a_reduced_vocabulary_is_exact_saved_and_refused_elsewhere(
+        target, tokenizer, tmp_path):
+    """draft_vocab_size: the LM head keeps some rows; the other tokens get probability 0, the
+    engine stays exact, the directory round-trips through load_draft and transformers refuses it
+    (it would read another model), and so does every export."""
+    from eval.engine import SpeculativeEngine
+    from eval.sampling import SamplingParams
+    from layouts.draft import export_layout
+    from layouts.files import ExportOptions
+
+    draft = fresh_draft(target, num_layers=1, seed=3)
+    full = fresh_draft(target, num_layers=1, seed=3)
+    kept = torch.tensor([2] + list(range(4, 40)))  # the end token and 36 words
+    restrict_vocabulary(draft, kept)
+    ids = torch.tensor([[1, 5, 9, 11, 30, 7]])
+    logits = draft(input_ids=ids).logits  # (1, 6, vocab)
+    assert logits.shape[-1] == target.vocab_size
+    others = torch.ones(target.vocab_size, dtype=torch.bool)
+    others[kept] = False
+    assert torch.isneginf(logits[..., others]).all()
+    torch.testing.assert_close(logits[..., kept], full(input_ids=ids).logits[..., kept])
+    assert torch.softmax(logits, -1)[..., others].sum() == 0
+    # the divergences the trainer allows stay finite (and train the kept rows)
+    loss = jsd(logits, target.model(input_ids=ids).logits.detach(), torch.ones(1, 6))
+    loss.backward()
+    assert torch.isfinite(loss) and draft.get_output_embeddings().weight.grad.abs().sum() > 0
+    draft.zero_grad()
+    distill_step_rows = draft.get_output_embeddings().weight.shape
+    assert distill_step_rows == (len(kept), target.hidden_size)
+
+    draft.eval()
+    out = tmp_path / "artifact"
+    save_draft(draft, tokenizer, out, target.identity(), extra={"built_from": "fresh"})
+    assert read_draft_info(out)["draft_vocab_size"] == len(kept)
+    loaded = load_draft(str(out), target)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, draft(input_ids=ids).logits)
+    with pytest.raises((RuntimeError, ValueError), match="size|shape"):
+        AutoModelForCausalLM.from_pretrained(str(out))
+    with pytest.raises(ValueError, match="reduced vocabulary .* only draftsmith's engine"):
+        export_layout(out, "hf", tmp_path / "hf", ExportOptions())
+
+    # exact: greedy decoding with the draft equals plain greedy decoding
+    from eval.draft import DraftModelProposer
+
+    engine = SpeculativeEngine(target)
+    prompt = target.chat_ids("w1 w2 w3")
+    plain = engine.generate(prompt, 24, SamplingParams()).tokens
+    drafted = engine.generate(prompt, 24, SamplingParams(),
+                              proposer=DraftModelProposer(loaded, max_depth=4)).tokens
+    assert drafted == plain
+    with pytest.raises(ValueError, match="reduced vocabulary already"):
+        restrict_vocabulary(loaded, kept)

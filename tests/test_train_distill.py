@@ -522,3 +522,43 @@ def test_a_few_steps_on_the_embedded_smollm2_target(tmp_path):
     assert len(heldout) == 2 and all(0 < a < 1 for a in heldout)
     draft = load_draft(str(result["artifact"]), result["target"])
     assert draft.config.num_hidden_layers == 2
+
+
+def test_a_reduced_draft_vocabulary_trains_resumes_and_decodes_exactly(files, tmp_path):
+    """draft_vocab_size: the most frequent answer tokens only, on- and off-policy; a resume with
+    other data (another vocabulary) is refused; forward KL (infinite there) is refused at parse."""
+    from distill.draft import DraftVocabHead, load_draft
+
+    out = tmp_path / "run"
+    result = main(base_config(files, out, draft_vocab_size=12, eval_every=0, heldout_every=4))
+    artifact = Path(result["artifact"])
+    assert read_draft_info(artifact)["draft_vocab_size"] == 12
+    first = records(out)[0]
+    assert first["draft_vocab/size"] == 12 and 0 < first["draft_vocab/coverage"] <= 1
+    assert all(r["loss"] > 0 for r in records(out) if "loss" in r)
+    target = load_target(files["target"])
+    draft = load_draft(str(artifact), target)
+    head = draft.get_output_embeddings()
+    assert isinstance(head, DraftVocabHead) and head.weight.shape[0] == 12
+    prompt = target.chat_ids("w1 w2 w3")
+    plain, speculative = build_methods(["plain", f"draft:{artifact}"], target,
+                                       options={"draft": {"max_depth": 4, "min_confidence": 0.0}})
+    greedy = SamplingParams(temperature=0.0)
+    assert speculative.run(prompt, 12, greedy, seed=0).tokens == \
+        plain.run(prompt, 12, greedy, seed=0).tokens
+
+    # a resumed run whose data would give another vocabulary (the data check passes here: the
+    # vocabulary rule itself is what changed) is refused, not silently continued
+    import train.distill as distill_module
+    from heads.draft_vocab import maps_from_token_ids
+
+    def other_vocabulary(token_ids, masks, vocab_size, size):
+        return (*maps_from_token_ids(torch.arange(size), vocab_size), 1.0)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(distill_module, "draft_vocabulary", other_vocabulary)
+        with pytest.raises(ValueError, match="cannot resume .* draft vocabulary"):
+            main(base_config(files, out, draft_vocab_size=12, eval_every=0, heldout_every=4,
+                             max_steps=6, resume="latest"))
+    with pytest.raises(ValueError, match="infinite where the target gives probability"):
+        base_config(files, tmp_path / "kl", draft_vocab_size=12, divergence="forward_kl")

@@ -64,11 +64,24 @@ from accelerate import Accelerator
 from jinja2.exceptions import TemplateError
 from torch import nn
 
-from distill.draft import add_lora, fresh_draft, load_draft, merge_lora, save_draft
+from distill.draft import (
+    add_lora,
+    fresh_draft,
+    load_draft,
+    merge_lora,
+    restrict_vocabulary,
+    save_draft,
+)
 from distill.losses import DIVERGENCES, argmax_agreement, divergence, tvd
 from eval.draft import DraftModelProposer
 from heads.chunked_loss import next_token_mask
 from heads.command_line import run_command, shell_command
+from heads.draft_vocab import (
+    check_same_vocabulary,
+    draft_token_ids,
+    draft_vocabulary,
+    maps_from_token_ids,
+)
 from heads.target import Target, is_hub_id
 from train.batches import make_batches, scored_tokens, split_heldout
 from train.checkpoints import TrainState
@@ -91,6 +104,11 @@ class DistillConfig(LoraKeys, TrainConfig):
         "truncate:6", "the draft: truncate:N (a trainable copy of the target's first N layers), "
         "fresh:L (a new L-layer model of the target's architecture), or a Hugging Face model "
         "directory or hub id (from the local cache) with the target's tokenizer")
+    draft_vocab_size: int | None = option(
+        None, "the draft's vocabulary: its LM head keeps the N most frequent answer tokens of the "
+        "training data and gives every other token probability 0 (logit -inf), so a draft token "
+        "costs N rows instead of the target's whole vocabulary; draftsmith's engine runs it, "
+        "Hugging Face / vLLM / llama.cpp do not (none: the target's vocabulary)")
     draft_hidden_size: int | None = option(
         None, "fresh:L only: the new model's hidden size (none: the target's; the embedding and "
         "LM head then start as copies of the target's)")
@@ -188,6 +206,15 @@ class DistillConfig(LoraKeys, TrainConfig):
                              f"{self.draft_branching}")
         if self.divergence not in DIVERGENCES:  # DistillConfig(...) skips parse_config's check
             raise ValueError(f"config key 'divergence' must be one of {DIVERGENCES}")
+        if self.draft_vocab_size is not None and (
+                self.divergence == "forward_kl" or (self.divergence == "jsd" and self.beta == 0)):
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} with divergence "
+                             f"{self.divergence!r} (beta {self.beta}): KL(target || draft) is "
+                             f"infinite where the target gives probability to a token the draft "
+                             f"cannot propose; use jsd with beta > 0, reverse_kl or tvd")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"config key 'draft_vocab_size' must be >= 1, got "
+                             f"{self.draft_vocab_size}")
 
 
 def draft_kind(spec: str) -> tuple[str, int | None]:
@@ -425,9 +452,10 @@ def draft_sampled_batch(batch: dict, draft: nn.Module, on_policy: bool, *, max_n
 # The draft and the loss
 
 
-def build_draft(cfg: DistillConfig, target: Target) -> nn.Module:
+def build_draft(cfg: DistillConfig, target: Target, kept: torch.Tensor | None = None) -> nn.Module:
     """The trainable draft: float32 master weights (autocast runs it in bf16 on GPU), a copy
-    that shares nothing with the target, wrapped in LoRA adapters when ``cfg.lora``."""
+    that shares nothing with the target, its LM head restricted to the target ids ``kept``
+    (``draft_vocab_size``), wrapped in LoRA adapters when ``cfg.lora``."""
     kind, count = draft_kind(cfg.draft)
     if kind == "fresh":
         draft = fresh_draft(target, num_layers=count, hidden_size=cfg.draft_hidden_size,
@@ -436,6 +464,8 @@ def build_draft(cfg: DistillConfig, target: Target) -> nn.Module:
         # truncate:N -> an independent copy; a directory -> its vocabulary/tokenizer checked
         draft = load_draft(cfg.draft, target, trainable=True)
     draft = draft.float()
+    if kept is not None:
+        restrict_vocabulary(draft, kept)
     if cfg.gradient_checkpointing:  # recompute the draft's layers in the backward pass
         draft.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False})
@@ -649,7 +679,25 @@ def build(cfg: DistillConfig) -> Recipe:
 
     batches = make_batches(rows, cfg, accelerator, partial(collate_distill, pad_token_id=pad_id),
                            lengths=lengths, weight_fn=weight)
-    draft = build_draft(cfg, target)  # model: the only trainable module
+    kept, first = None, None
+    if cfg.draft_vocab_size is not None:  # a pure function of the training rows, as for heads
+        answered = [r for r in rows if r["answered"]]
+        d2t, _, coverage = draft_vocabulary([r["input_ids"].tolist() for r in answered],
+                                            [r["loss_mask"].tolist() for r in answered],
+                                            target.vocab_size, cfg.draft_vocab_size)
+        kept = draft_token_ids(d2t)
+        first = {"draft_vocab/size": cfg.draft_vocab_size, "draft_vocab/coverage": coverage}
+        accelerator.print(f"[draftsmith] draft vocabulary: {cfg.draft_vocab_size} of "
+                          f"{target.vocab_size} target tokens, covering {coverage:.2%} of the "
+                          f"training rows' answer tokens")
+    draft = build_draft(cfg, target, kept)  # model: the only trainable module
+
+    def check_vocabulary(state, module) -> None:  # a resumed run's draft vocabulary
+        if kept is not None:
+            saved = inference_model(module).get_output_embeddings().kept
+            check_same_vocabulary(maps_from_token_ids(saved, target.vocab_size),
+                                  maps_from_token_ids(kept, target.vocab_size),
+                                  state.resumed_from)
     sampling = {"max_new_tokens": cfg.on_policy_max_new_tokens,
                 "temperature": cfg.on_policy_temperature, "eos_token_ids": target.eos_token_ids,
                 "pad_token_id": pad_id, "max_length": cfg.max_length}
@@ -675,17 +723,19 @@ def build(cfg: DistillConfig) -> Recipe:
             children=cfg.draft_children))
     heldout = HeldOutAcceptance(accelerator, cfg, target, heldout_rows, pad_id)
     return Recipe(cfg, accelerator, target, batches, draft, step,
-                  export=partial(export, cfg, accelerator, target),
-                  evaluators=[heldout, acceptance])
+                  export=partial(export, cfg, accelerator, target, kept),
+                  evaluators=[heldout, acceptance], first_record=first,
+                  on_resume=check_vocabulary)
 
 
-def export(cfg: DistillConfig, accelerator, target: Target, result: TrainResult) -> dict:
+def export(cfg: DistillConfig, accelerator, target: Target, kept: torch.Tensor | None,
+           result: TrainResult) -> dict:
     """The merged plain model, written by the main process after a completed run; returns step,
     stop message, artifact path, target, draft."""
     accelerator.wait_for_everyone()
     module = accelerator.unwrap_model(result.model)
     if result.completed:  # FSDP2: the draft gathered whole on the main process
-        module = whole_module(module, lambda: build_draft(cfg, target)) or module
+        module = whole_module(module, lambda: build_draft(cfg, target, kept)) or module
     artifact = None
     if accelerator.is_main_process and result.completed:
         plain = merge_lora(module) if cfg.lora else module
