@@ -58,7 +58,13 @@ def build_hf_pld(arg: str, name: str, ctx: BuildContext) -> HFMethod:
 
 
 def build_hf_assisted(arg: str, name: str, ctx: BuildContext) -> HFMethod:
-    return HFMethod(name, ctx.target, assistant_model=ctx.draft(arg))
+    from distill.draft import DraftVocabHead
+
+    draft = ctx.draft(arg)
+    if isinstance(draft.get_output_embeddings(), DraftVocabHead):
+        raise ValueError(f"{name}: {arg} has a reduced vocabulary, which transformers' assisted "
+                         f"generation does not know; measure it with --method draft:{arg}")
+    return HFMethod(name, ctx.target, assistant_model=draft)
 
 
 # llama.cpp's own n-gram lookups (its --spec-type values)

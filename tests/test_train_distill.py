@@ -546,6 +546,8 @@ def test_a_reduced_draft_vocabulary_trains_resumes_and_decodes_exactly(files, tm
     greedy = SamplingParams(temperature=0.0)
     assert speculative.run(prompt, 12, greedy, seed=0).tokens == \
         plain.run(prompt, 12, greedy, seed=0).tokens
+    with pytest.raises(ValueError, match="reduced vocabulary.*--method draft:"):
+        build_methods([f"hf-assisted:{artifact}"], target)
 
     # a resumed run whose data would give another vocabulary (the data check passes here: the
     # vocabulary rule itself is what changed) is refused, not silently continued
