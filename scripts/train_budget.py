@@ -10,8 +10,9 @@ recipe sweeps (scripts/sweep.py) and against the peer trainer (scripts/peer_spec
    spans them (``num_epochs`` lifted: only time binds); stopped by SIGTERM at the deadline if it
    runs over (the trainer finishes its step and saves), and then resumed with ``max_steps`` at the
    step reached, which writes its artifact.
-3. ``<out>/budget.json``: the budget, the probe and its plan, the training seconds, whether the
-   deadline stopped it, the steps and tokens trained, the trainer's arguments.
+3. ``<out>/budget.json``: the budget, the probe and the plan (start-up, seconds per step, steps),
+   the training seconds, whether the deadline stopped it, the steps and tokens trained, the
+   trainer's arguments.
 
 The probe is not counted in the budget (every side of a comparison probes alike); what a recipe
 does before its first step inside the run (loading, tokenising, writing a feature cache) is.
@@ -119,7 +120,7 @@ def train_for(minutes: float, out: str | Path, trainer: str, trainer_args: list[
         raise _fail("the run", log)
     record = {
         "trainer": trainer, "trainer_args": trainer_args, "budget_seconds": round(budget, 1),
-        "probe": {"steps": probe_steps, "seconds": round(probe_seconds, 1), **plan},
+        "probe": {"steps": probe_steps, "seconds": round(probe_seconds, 1)}, "plan": plan,
         "train_seconds": round(seconds, 1), "stopped_at_deadline": stopped,
         "steps": records[-1]["step"] if records else 0,
         "tokens": records[-1]["tokens"] if records else 0,

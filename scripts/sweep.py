@@ -1,0 +1,187 @@
+"""A recipe sweep at equal wall time: every point trains for the same minutes
+(scripts/train_budget.py), then one ``eval.bench`` run measures every head on held-out prompts.
+
+    python scripts/sweep.py eagle3 --minutes 20 [--points base,ttt3,...] [--data FILE]
+        [--num-prompts 16] [--runs runs/sweep] [--name NAME]
+
+A sweep is a base recipe (a config and the overrides the shipped draft was trained with) and
+its points, each changing one axis (``SWEEPS`` below). Each point trains in
+``<runs>/<name>/<point>/`` (a finished point, with its ``budget.json``, is kept and not trained
+again: rerun the command to continue a sweep); then one benchmark run of ``hf`` and every
+finished point's draft, all drafting alike (EAGLE-3: the base config's fixed tree; Medusa: a
+fixed tree of its ``eval_tree_nodes``; a distilled draft: chains of ``draft_depth``), greedy, on
+Vicuna-bench (held out; MT-bench stays the test set), writes ``reports/sweep_<name>.json``, and
+``reports/sweep_<name>.meta.json`` holds each point's overrides and budget record (probe, plan,
+training seconds, steps, tokens). The table printed at the end ranks the points by tau, with the
+speedup over ``hf`` measured in the same run beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import yaml
+
+from heads.command_line import run_command
+from heads.output_dir import write_atomic
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_PROMPTS = "data/eval/vicuna_bench_question.jsonl"
+# the shipped EAGLE-3 head's recipe (scripts/cpu_results.sh shipped-eagle3), without its step count
+EAGLE3_BASE = ["--max_length", "512", "--max_tokens_per_batch", "2048", "--ttt_steps", "4",
+               "--learning_rate", "5e-4", "--warmup_steps", "20", "--mixed_precision", "auto"]
+# the shipped Medusa-1 heads' recipe (scripts/cpu_results.sh shipped-medusa)
+MEDUSA_BASE = ["--max_length", "512", "--max_tokens_per_batch", "2048", "--soft_labels", "false",
+               "--learning_rate", "1e-3", "--warmup_steps", "20", "--heldout_every", "0"]
+# the distilled draft's recipe (scripts/cpu_results.sh distill-fixed), on 2048-token batches
+DISTILL_BASE = ["--max_length", "512", "--max_tokens_per_batch", "2048", "--on_policy_ratio", "0",
+                "--learning_rate", "3e-4", "--warmup_steps", "10", "--heldout_every", "0"]
+SWEEPS = {
+    "eagle3": {
+        "trainer": "eagle", "config": "configs/eagle/smollm2-135m.yaml", "base": EAGLE3_BASE,
+        "points": {
+            "base": [],
+            "ttt3": ["--ttt_steps", "3"], "ttt5": ["--ttt_steps", "5"],
+            "ttt7": ["--ttt_steps", "7"],
+            "lr2e-4": ["--learning_rate", "2e-4"], "lr1e-3": ["--learning_rate", "1e-3"],
+            "constant-lr": ["--lr_schedule", "constant"],
+            "vocab2048": ["--draft_vocab_size", "2048"],
+            "vocab4096": ["--draft_vocab_size", "4096"],
+            # the cache is written inside the run, in its budget, then read for several epochs
+            "offline": ["--feature_mode", "offline"],
+            "init-layer": ["--init_layer", "27"],
+            "noise0.1": ["--feature_noise", "0.1"],
+            "data9k": ["--data", "data/train/selfdistill9k_answers.jsonl.gz"],
+        },
+    },
+    "medusa": {
+        "trainer": "medusa", "config": "configs/medusa/smollm2-135m.yaml", "base": MEDUSA_BASE,
+        "points": {
+            "base": [],
+            "lr5e-4": ["--learning_rate", "5e-4"], "lr2e-3": ["--learning_rate", "2e-3"],
+            "soft-labels": ["--soft_labels", "true"],
+            "heads3": ["--num_heads", "3"], "heads5": ["--num_heads", "5"],
+            "vocab4096": ["--draft_vocab_size", "4096"],
+            "data9k": ["--data", "data/train/selfdistill9k_answers.jsonl.gz"],
+        },
+    },
+    "distill": {
+        "trainer": "distill", "config": "configs/distill/smollm2-135m.yaml", "base": DISTILL_BASE,
+        "points": {
+            "truncate6": [],  # the target's full vocabulary, as the earlier draft
+            "truncate6-vocab8192": ["--draft_vocab_size", "8192"],
+            "truncate4-vocab8192": ["--draft", "truncate:4", "--draft_vocab_size", "8192"],
+            "truncate2-vocab8192": ["--draft", "truncate:2", "--draft_vocab_size", "8192"],
+            "truncate2-vocab4096": ["--draft", "truncate:2", "--draft_vocab_size", "4096"],
+            "fresh2-narrow": ["--draft", "fresh:2", "--draft_hidden_size", "384",
+                              "--draft_vocab_size", "8192"],
+            "truncate2-on-policy": ["--draft", "truncate:2", "--draft_vocab_size", "8192",
+                                    "--on_policy_ratio", "0.5"],
+            "data9k": ["--draft", "truncate:2", "--draft_vocab_size", "8192",
+                       "--data", "data/train/selfdistill9k_answers.jsonl.gz"],
+        },
+    },
+}
+PREFIX = {"eagle": "eagle", "medusa": "medusa", "distill": "draft"}
+
+
+def _drafting(trainer: str, config: str) -> list[str]:
+    """The bench flags every point of a sweep drafts with, from its base config."""
+    values = yaml.safe_load((REPO / config).read_text())
+    if trainer == "eagle":
+        return ["--tree", "fixed", "--tree-depth", str(values["tree_depth"]), "--tree-topk",
+                str(values["tree_topk"]), "--tree-nodes", str(values["tree_nodes"])]
+    if trainer == "medusa":
+        return ["--tree", "fixed", "--tree-nodes", str(values["eval_tree_nodes"])]
+    return ["--draft-depth", str(values["draft_depth"])]
+
+
+def sweep(name: str, minutes: float, points: list[str] | None, data: str | None, runs: str,
+          report_name: str, prompts: str, num_prompts: int, max_new_tokens: int,
+          threads: int) -> Path:
+    if name not in SWEEPS:
+        raise ValueError(f"unknown sweep {name!r}: choose one of {sorted(SWEEPS)}")
+    spec = SWEEPS[name]
+    chosen = points or list(spec["points"])
+    unknown = [p for p in chosen if p not in spec["points"]]
+    if unknown:
+        raise ValueError(f"unknown points {unknown} of sweep {name!r}: choose from "
+                         f"{list(spec['points'])}")
+    if "mt_bench" in prompts:
+        raise ValueError(f"--prompts {prompts}: MT-bench is the test set; sweep on held-out "
+                         f"prompts ({DEFAULT_PROMPTS})")
+    root = Path(runs) / report_name
+    base = ["--config", spec["config"], *spec["base"], "--eval_every", "0"]
+    if data is not None:
+        base += ["--data", data]
+    meta = {"sweep": name, "minutes": minutes, "config": spec["config"], "base": base,
+            "points": {}}
+    for point in chosen:
+        out = root / point
+        done = out / "budget.json"
+        if not done.is_file():
+            if out.exists():  # an interrupted point of this sweep: trained again from nothing
+                shutil.rmtree(out)
+            print(f"[sweep] {name}/{point}: {minutes} min", flush=True)
+            command = [sys.executable, str(REPO / "scripts" / "train_budget.py"), "--minutes",
+                       str(minutes), "--out", str(out), "--trainer", spec["trainer"], "--",
+                       *base, *spec["points"][point]]
+            status = subprocess.run(command, cwd=REPO).returncode
+            if status != 0:
+                raise ValueError(f"point {point!r} failed (exit {status}); its logs are in {out}")
+        meta["points"][point] = {"overrides": spec["points"][point],
+                                 "budget": json.loads(done.read_text())}
+    report = REPO / "reports" / f"sweep_{report_name}.json"
+    bench = [sys.executable, "-m", "eval.bench", "--target", "smollm2-135m", "--threads",
+             str(threads), "--method", "hf", *_drafting(spec["trainer"], spec["config"]),
+             "--draft-dtype", "bf16",
+             "--prompts", prompts, "--num-prompts", str(num_prompts), "--max-new-tokens",
+             str(max_new_tokens), "--temperature", "0", "--out", str(report)]
+    prefix = PREFIX[spec["trainer"]]
+    for point in chosen:
+        bench += ["--method", f"{prefix}:{root / point / 'run' / 'artifact'}"]
+    status = subprocess.run(bench, cwd=REPO).returncode
+    if status != 0:
+        raise ValueError(f"the benchmark of the sweep failed (exit {status})")
+    write_atomic(report.with_suffix(".meta.json"), json.dumps(meta, indent=2).encode())
+    records = {r["method"]: r for r in json.loads(report.read_text())["methods"]}
+    rows = []
+    for point in chosen:
+        record = records[f"{prefix}:{root / point / 'run' / 'artifact'}"]
+        budget = meta["points"][point]["budget"]
+        rows.append((record["tau"], record["speedup"], point, budget["steps"], budget["tokens"],
+                     budget["train_seconds"]))
+    print(f"\n{'point':<22}{'tau':>8}{'speedup':>9}{'steps':>8}{'tokens':>10}{'seconds':>9}")
+    for tau, speedup, point, steps, tokens, seconds in sorted(rows, reverse=True):
+        print(f"{point:<22}{tau:>8.3f}{speedup:>9.3f}{steps:>8}{tokens:>10}{seconds:>9.0f}")
+    return report
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(prog="scripts/sweep.py", description=__doc__.split("\n")[0])
+    parser.add_argument("sweep", help=f"one of {sorted(SWEEPS)}")
+    parser.add_argument("--minutes", type=float, required=True, help="each point's wall time")
+    parser.add_argument("--points", default=None, help="comma-separated points (default: all)")
+    parser.add_argument("--data", default=None, help="the training data (default: the config's)")
+    parser.add_argument("--runs", default="runs/sweep")
+    parser.add_argument("--name", default=None, help="the report's name (default: the sweep's)")
+    parser.add_argument("--prompts", default=DEFAULT_PROMPTS)
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    points = args.points.split(",") if args.points else None
+    return sweep(args.sweep, args.minutes, points, args.data, args.runs, args.name or args.sweep,
+                 args.prompts, args.num_prompts, args.max_new_tokens, args.threads)
+
+
+if __name__ == "__main__":
+    sys.exit(run_command(main, "scripts/sweep.py"))
