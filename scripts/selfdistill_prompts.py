@@ -8,9 +8,9 @@ prompts of at most 320 chat tokens, so that any prefix of the file is a mix of e
 ShareGPT first turns (general chat, writing, extraction, STEM, humanities), GPTeacher role-play,
 GSM8K (math), GPTeacher code generation and MBPP (coding), self-instruct seed tasks. Answers are
 then written by ``python -m train.data regenerate`` (scripts/cpu_results.sh stage ``regenerate``
-for the first set, scripts/regenerate_9k.sh for the ``9k`` set). The ``9k`` set takes every short ShareGPT, role-play,
-MBPP and self-instruct prompt and more GSM8K and code prompts: 5.3 times the 1728 conversations
-of the first set's answers.
+for the first set, scripts/regenerate_9k.sh for the ``9k`` set). The ``9k`` set takes every
+short ShareGPT, role-play, MBPP and self-instruct prompt and more GSM8K and code prompts: 5.3
+times the 1728 conversations of the first set's answers.
 """
 
 from __future__ import annotations
