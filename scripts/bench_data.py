@@ -33,6 +33,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch
 
+from train.accelerator import close_process_group
+
 REPO = Path(__file__).resolve().parents[1]
 GSM8K = str(REPO / "data" / "train" / "gsm8k_train.jsonl")
 
@@ -134,7 +136,7 @@ def write(args) -> None:
     if world > 1:
         records = [None] * world
         dist.all_gather_object(records, record)
-        dist.destroy_process_group()
+        close_process_group()
         if rank == 0:
             wall = max(r["seconds"] for r in records)
             emit({"bench": "write", "processes": world, "threads": args.threads,

@@ -8,10 +8,12 @@ how, is train/sharding.py (torch's FSDP2 and device meshes). A trainer calls
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate import utils as accelerate_utils
 from accelerate.utils import (
@@ -102,3 +104,23 @@ def attention_kernels(cfg):
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                         SDPBackend.CUDNN_ATTENTION])
 
+
+
+def close_process_group(accelerator: Accelerator | None = None) -> None:
+    """The end of a run: the trackers closed and the process group destroyed (every process).
+
+    A gloo process group is destroyed but its object is kept alive until the process exits. On
+    torch 2.13 its C++ destructor joins gloo's worker threads while the thread dropping the last
+    reference holds the GIL, and a worker that is still freeing a finished collective (a barrier
+    keeps the collectives before it, whose tensors belong to Python objects) waits for the GIL:
+    the process then hangs for ever after training ended. It was seen once in about 30 launches
+    of two CPU processes, the last reference dropped with DDP's reducer when the trainer returned.
+    The worker threads, idle by then, end with the process; NCCL groups are left to torch.
+    """
+    group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    if group is not None and dist.get_backend(group) == "gloo":
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # never freed: see above
+    if accelerator is not None:
+        accelerator.end_training()
+    elif group is not None:
+        dist.destroy_process_group()

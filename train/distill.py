@@ -83,6 +83,7 @@ from heads.draft_vocab import (
     maps_from_token_ids,
 )
 from heads.target import Target, is_hub_id
+from train.accelerator import close_process_group
 from train.batches import make_batches, scored_tokens, split_heldout
 from train.checkpoints import TrainState
 from train.config import LoraKeys, TrainConfig, option, parse_config
@@ -754,7 +755,7 @@ def export(cfg: DistillConfig, accelerator, target: Target, kept: torch.Tensor |
         accelerator.print(f"[draftsmith] draft written to {artifact}; measure it with {measure}")
     accelerator.wait_for_everyone()
     result.metrics.close()
-    accelerator.end_training()
+    close_process_group(accelerator)
     return {"step": result.state.step, "stopped": result.stopped, "artifact": artifact,
             "target": target, "draft": module}
 

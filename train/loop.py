@@ -40,7 +40,7 @@ from torch import nn
 
 from heads.artifact import save_artifact
 from heads.command_line import shell_command
-from train.accelerator import attention_kernels, make_accelerator
+from train.accelerator import attention_kernels, close_process_group, make_accelerator
 from train.batches import TrainBatches, loss_scale, padded_tokens
 from train.checkpoints import Checkpointer, TrainState, check_resume_layout
 from train.eagle_features import feature_cache_dir
@@ -158,7 +158,7 @@ def write_run_artifact(cfg, accelerator: Accelerator, result: TrainResult, *, me
                           f"  measure: {measure}")
     accelerator.wait_for_everyone()
     result.metrics.close()
-    accelerator.end_training()
+    close_process_group(accelerator)
     return artifact, draft
 
 

@@ -102,6 +102,7 @@ from heads.medusa_loss import (
 from heads.medusa_tree import choose_tree, default_chain, expected_tau
 from heads.output_dir import write_dir
 from heads.target import Target, wrap_target
+from train.accelerator import close_process_group
 from train.batches import make_batches, row_sizes, split_heldout
 from train.checkpoints import TrainState
 from train.config import LoraKeys, TrainConfig, option, parse_config
@@ -658,7 +659,7 @@ def export(cfg: MedusaTrainConfig, accelerator, target: Target, heldout: HeldOut
                     f"not to {cfg.target}")
     accelerator.wait_for_everyone()
     metrics.close()
-    accelerator.end_training()
+    close_process_group(accelerator)
     return {"step": state.step, "stopped": result.stopped, "artifact": artifact, "tree": tree,
             "tree_info": tree_info, "target": target, "verifier": verifier,
             "heads": module.heads}
