@@ -279,7 +279,7 @@ def test_eagle_loss_module_trains_under_ddp(tmp_path, target, batch, maps, versi
         del ddp
         gc.collect()
     finally:
-        close_process_group()  # the gloo group kept: its destructor can hang (see there)
+        close_process_group()  # gloo's destructor can hang: see train.accelerator
     torch.testing.assert_close(ddp_loss, loss)
     for name, p in head.named_parameters():
         torch.testing.assert_close(p.grad, plain[name], rtol=1e-12, atol=1e-14)
