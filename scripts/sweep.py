@@ -60,6 +60,12 @@ SWEEPS = {
             "init-layer": ["--init_layer", "27"],
             "noise0.1": ["--feature_noise", "0.1"],
             "data9k": ["--data", "data/train/selfdistill9k_answers.jsonl.gz"],
+            # the 7-minute sweep's leading axes together (reports/sweep_eagle3_7min.json)
+            "combo": ["--learning_rate", "1e-3", "--draft_vocab_size", "4096",
+                      "--init_layer", "27", "--data", "data/train/selfdistill9k_answers.jsonl.gz"],
+            "combo-ttt3": ["--learning_rate", "1e-3", "--draft_vocab_size", "4096",
+                           "--init_layer", "27", "--ttt_steps", "3",
+                           "--data", "data/train/selfdistill9k_answers.jsonl.gz"],
         },
     },
     "medusa": {

@@ -2,7 +2,7 @@
 recipe sweeps (scripts/sweep.py) and against the peer trainer (scripts/peer_speculators.sh).
 
     python scripts/train_budget.py --minutes 20 --out runs/sweep/eagle3/base \\
-        [--trainer eagle] [--probe-steps 4] -- --config configs/eagle/smollm2-135m.yaml ...
+        [--trainer eagle] [--probe-steps 8] -- --config configs/eagle/smollm2-135m.yaml ...
 
 1. A probe: the trainer with the given arguments for ``--probe-steps`` steps; its wall time and
    the steps it logged give the start-up and the time of a step (train.speed.steps_for_budget).
@@ -84,7 +84,7 @@ def _fail(what: str, log: Path) -> ValueError:
 
 
 def train_for(minutes: float, out: str | Path, trainer: str, trainer_args: list[str],
-              probe_steps: int = 4) -> dict:
+              probe_steps: int = 8) -> dict:
     """Probe, plan and run (module docstring); -> what ``<out>/budget.json`` holds."""
     if trainer not in TRAINERS:
         raise ValueError(f"--trainer {trainer!r}: choose one of {sorted(TRAINERS)}")
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--minutes", type=float, required=True, help="the wall-time budget")
     parser.add_argument("--out", required=True, help="the directory of the probe, run and plan")
     parser.add_argument("--trainer", default="eagle", help="train/<trainer>.py (default eagle)")
-    parser.add_argument("--probe-steps", type=int, default=4)
+    parser.add_argument("--probe-steps", type=int, default=8)
     args = parser.parse_args(ours)
     if not rest:
         parser.error("give the trainer's arguments after --, e.g. -- --config CONFIG")

@@ -30,11 +30,11 @@ def test_plan_from_our_metrics(tmp_path):
         {"step": 3, "tokens": 8000, "tokens_per_s": 100.0},  # 30 s
     ])
     assert peer.step_seconds("ours", metrics) == pytest.approx([30, 10, 30])
-    # start-up 100 - 70 = 30 s; a step 20 s: (600 - 30) / 20
+    # a step is the later half's mean, 20 s; the start-up 100 - 3 x 20 = 40 s: (600 - 40) / 20
     assert peer.plan("ours", metrics, seconds=100, budget=600,
                      record=str(tmp_path / "p.json")) == 28
     saved = json.loads((tmp_path / "p.json").read_text())
-    assert saved["startup_seconds"] == 30 and saved["step_seconds"] == 20 and saved["steps"] == 28
+    assert saved["startup_seconds"] == 40 and saved["step_seconds"] == 20 and saved["steps"] == 28
 
 
 def test_plan_from_speculators_metrics(tmp_path):
@@ -46,8 +46,10 @@ def test_plan_from_speculators_metrics(tmp_path):
         {"time": 200.0, "val": {"loss_epoch": 1.0}},
     ])
     assert peer.step_seconds("speculators", metrics) == [50, 40]
-    # the first record came after start-up and one step: start-up 200 - 90 - 40 = 70 s
-    assert peer.plan("speculators", metrics, seconds=200, budget=470) == 10
+    # the first record came after start-up and one step: a step 40 s (the later half), start-up
+    # 200 - 3 x 40 = 80 s
+    assert peer.plan("speculators", metrics, seconds=200, budget=480) == 10
+    assert peer.plan("speculators", metrics, seconds=200, budget=479) == 9
 
 
 def test_plan_refuses_a_budget_that_fits_no_step(tmp_path):

@@ -159,15 +159,18 @@ def logged_step_seconds(records: Sequence[Mapping]) -> list[float]:
 def steps_for_budget(step_seconds: Sequence[float], probe_seconds: float, budget: float, *,
                      unlogged_steps: int = 0, what: str = "training") -> dict:
     """How many optimizer steps fit ``budget`` seconds of wall time, from a probe run that took
-    ``probe_seconds`` and logged ``step_seconds``: a step is the mean of the logged steps after
-    the first (which carries the warm-up), the start-up is the probe's time less its steps
-    (``unlogged_steps`` more ran but were not logged). -> ``{"startup_seconds", "step_seconds",
-    "steps"}``; a budget that fits no step is a ValueError."""
+    ``probe_seconds`` and logged ``step_seconds``: a step is the mean of the later half of the
+    logged steps (the first few run slower while allocations and caches warm up: 4.0 s falling to
+    3.0 s over six steps of an EAGLE-3 run here), the start-up is the probe's time less that many
+    such steps (so it holds the early steps' excess, which every run pays again), ``unlogged_steps``
+    more ran but were not logged. -> ``{"startup_seconds", "step_seconds", "steps"}``; a budget
+    that fits no step is a ValueError."""
     if len(step_seconds) < 2:
         raise ValueError(f"the {what} probe logged {len(step_seconds)} steps; it needs at least "
                          f"2 after its first (give it more steps)")
-    per_step = sum(step_seconds[1:]) / len(step_seconds[1:])
-    startup = max(0.0, probe_seconds - sum(step_seconds) - unlogged_steps * per_step)
+    timed = step_seconds[len(step_seconds) // 2:]
+    per_step = sum(timed) / len(timed)
+    startup = max(0.0, probe_seconds - (len(step_seconds) + unlogged_steps) * per_step)
     fit = math.floor((budget - startup) / per_step)
     if fit < 1:
         raise ValueError(f"a {budget:.0f} s budget fits no {what} step: start-up takes "
