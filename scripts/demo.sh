@@ -8,11 +8,12 @@
 #
 #   1. data:      tokenise the training rows with the target's chat template and report what was
 #                 used, skipped or truncated (the trainer reads the same cache);
-#   2. training:  accelerate launch train/eagle.py --config configs/eagle/smollm2-135m.yaml, the
-#                 real EAGLE-3 recipe (7 training-time-test steps, 8192-token draft vocabulary),
-#                 shortened for a CPU: 256-token sequences, DEMO_STEPS optimizer steps at a higher
-#                 learning rate, acceptance (tau) measured at the start, every 40 steps and at
-#                 the end on 2 Vicuna-bench prompts (held out: never trained on);
+#   2. training:  accelerate launch train/eagle.py --config configs/eagle/smollm2-135m.yaml
+#                 with the EAGLE-3 recipe the demo was timed with (7 training-time-test steps,
+#                 an 8192-token draft vocabulary, rows of 4; the config's own values are the
+#                 shipped head's), shortened for a CPU: 256-token sequences, DEMO_STEPS optimizer
+#                 steps, acceptance (tau) measured at the start, every 40 steps and at the end on
+#                 2 Vicuna-bench prompts (held out: never trained on);
 #   3. export:    python -m heads.export ... --format vllm (the layout vLLM and SGLang load);
 #   4. benchmark: python -m eval.bench on 5 MT-bench prompts, 128 tokens each: plain
 #                 transformers generate (hf), its prompt lookup (hf-pld) and assisted generation
@@ -74,7 +75,8 @@ stage training accelerate launch --num_processes 1 --num_machines 1 --mixed_prec
   --dynamo_backend no --num_cpu_threads_per_process "$THREADS" \
   train/eagle.py --config configs/eagle/smollm2-135m.yaml \
   --output_dir "$RUN" --resume latest --data "$DATA" --max_length "$MAX_LENGTH" \
-  --per_device_batch_size 4 --max_steps "$STEPS" --warmup_steps 10 --learning_rate 5e-4 \
+  --per_device_batch_size 4 --max_tokens_per_batch none --ttt_steps 7 --draft_vocab_size 8192 \
+  --init_layer none --max_steps "$STEPS" --warmup_steps 10 --learning_rate 5e-4 \
   --save_every 40 --log_every 5 --eval_every 40 --eval_num_prompts 2 \
   --eval_max_new_tokens 32 --report_to none
 

@@ -316,7 +316,8 @@ def flags(config: str, variant: str, rows_path: str, cap: int | None = None,
     _record(record, {"mapped": {k: v for k, (v, _) in mapped.items()}, "not_in_speculators": {
         "min_lr_ratio": cfg.min_lr_ratio, "adam_beta1/beta2": [cfg.adam_beta1, cfg.adam_beta2],
         "max_grad_norm (speculators clips at 1.0)": cfg.max_grad_norm,
-        "feature_noise": cfg.feature_noise, "feature_mode": cfg.feature_mode},
+        "feature_noise": cfg.feature_noise, "feature_mode": cfg.feature_mode,
+        "init_layer": cfg.init_layer},
         "memory_changes": cpu})
     return out + [flag for _, group in mapped.values() for flag in group]
 

@@ -35,9 +35,12 @@ from heads.output_dir import write_atomic
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPTS = "data/eval/vicuna_bench_question.jsonl"
-# the shipped EAGLE-3 head's recipe (scripts/cpu_results.sh shipped-eagle3), without its step count
+# the recipe of the EAGLE-3 head shipped before the sweeps (the config's values were then set to
+# the sweeps' winner, so every one the points are measured against is pinned here)
 EAGLE3_BASE = ["--max_length", "512", "--max_tokens_per_batch", "2048", "--ttt_steps", "4",
-               "--learning_rate", "5e-4", "--warmup_steps", "20", "--mixed_precision", "auto"]
+               "--learning_rate", "5e-4", "--warmup_steps", "20", "--mixed_precision", "auto",
+               "--draft_vocab_size", "8192", "--init_layer", "none",
+               "--data", "data/train/selfdistill_answers.jsonl"]
 # the shipped Medusa-1 heads' recipe (scripts/cpu_results.sh shipped-medusa)
 MEDUSA_BASE = ["--max_length", "512", "--max_tokens_per_batch", "2048", "--soft_labels", "false",
                "--learning_rate", "1e-3", "--warmup_steps", "20", "--heldout_every", "0"]
