@@ -166,8 +166,8 @@ def steps_for_budget(step_seconds: Sequence[float], probe_seconds: float, budget
     more ran but were not logged. -> ``{"startup_seconds", "step_seconds", "steps"}``; a budget
     that fits no step is a ValueError."""
     if len(step_seconds) < 2:
-        raise ValueError(f"the {what} probe logged {len(step_seconds)} steps; it needs at least "
-                         f"2 after its first (give it more steps)")
+        raise ValueError(f"the {what} probe logged {len(step_seconds)} steps; it needs at least 2 "
+                         f"(give it more steps)")
     timed = step_seconds[len(step_seconds) // 2:]
     per_step = sum(timed) / len(timed)
     startup = max(0.0, probe_seconds - (len(step_seconds) + unlogged_steps) * per_step)
