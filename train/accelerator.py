@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -115,12 +116,19 @@ def close_process_group(accelerator: Accelerator | None = None) -> None:
     the process then hangs for ever after training ended. Two CPU processes hung so 2 times in 26
     launches on a busy 2-core machine, the last reference dropped with DDP's reducer when the
     trainer returned; none did in 40 launches with the group kept.
-    The worker threads, idle by then, end with the process; NCCL groups are left to torch.
+    The same worker must also be done before the interpreter finalizes: a thread that asks for the
+    GIL then is ended by Python mid-C++, and the process aborts ("terminate called without an
+    active exception", once in a CI run of two FSDP2 processes). So the GIL is released for a
+    moment at the end, for any freeing still under way. The worker threads, idle by then, end with
+    the process; NCCL groups are left to torch.
     """
     group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-    if group is not None and dist.get_backend(group) == "gloo":
+    gloo = group is not None and dist.get_backend(group) == "gloo"
+    if gloo:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # never freed: see above
     if accelerator is not None:
         accelerator.end_training()
     elif group is not None:
         dist.destroy_process_group()
+    if gloo:
+        time.sleep(0.2)  # the GIL released: gloo's workers finish freeing (see above)
