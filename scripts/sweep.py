@@ -41,9 +41,10 @@ EAGLE3_BASE = ["--max_length", "512", "--max_tokens_per_batch", "2048", "--ttt_s
                "--learning_rate", "5e-4", "--warmup_steps", "20", "--mixed_precision", "auto",
                "--draft_vocab_size", "8192", "--init_layer", "none",
                "--data", "data/train/selfdistill_answers.jsonl"]
-# the shipped Medusa-1 heads' recipe (scripts/cpu_results.sh shipped-medusa)
+# the recipe of the Medusa-1 heads shipped before the sweep (pinned: the config now holds the winner)
 MEDUSA_BASE = ["--max_length", "512", "--max_tokens_per_batch", "2048", "--soft_labels", "false",
-               "--learning_rate", "1e-3", "--warmup_steps", "20", "--heldout_every", "0"]
+               "--learning_rate", "1e-3", "--warmup_steps", "20", "--heldout_every", "0",
+               "--draft_vocab_size", "8192", "--data", "data/train/selfdistill_answers.jsonl"]
 # the distilled draft's recipe (scripts/cpu_results.sh distill-fixed), on 2048-token batches
 DISTILL_BASE = ["--max_length", "512", "--max_tokens_per_batch", "2048", "--on_policy_ratio", "0",
                 "--learning_rate", "3e-4", "--warmup_steps", "10", "--heldout_every", "0"]
