@@ -4,7 +4,8 @@
 #   scripts/cpu_results.sh STAGE        STAGE: prompts | regenerate | eagle | medusa | distill | bench
 #                                              | distill-fixed
 #                                              | shipped-eagle3 | shipped-eagle3-bench
-#                                              | shipped-medusa | shipped-bench
+#                                              | shipped-medusa | shipped-medusa-bench
+#                                              | shipped-bench
 #                                              | shipped-dflash | block-bench | llama-costs
 #                                              | llama-bench | llama-cross-check
 #                                              | llama-regenerate
@@ -102,12 +103,15 @@ shipped-eagle3)  # artifacts/smollm2-135m/eagle3: the recipe that led the 7-minu
   "$PYTHON" -m heads.artifact cast runs/ship/eagle3/artifact artifacts/smollm2-135m/eagle3 \
     --dtype bf16 --overwrite
   ;;
-shipped-medusa)  # artifacts/smollm2-135m/medusa: Medusa-1, 4 heads over an 8192-token draft
-  # vocabulary, hard labels, 350 steps of 2048-token batches on the shipped self-distilled answers
+shipped-medusa)  # artifacts/smollm2-135m/medusa: Medusa-1, 4 heads over a 4096-token draft
+  # vocabulary (the 6-minute sweep's best two points together: 4096 draft tokens, the 9k answers),
+  # hard labels, lr 1e-3, 850 steps of 2048-token batches, held-out acceptance every 250 steps
   "$PYTHON" train/medusa.py --config configs/medusa/smollm2-135m.yaml \
     --output_dir runs/ship/medusa --resume latest --max_length 512 --max_tokens_per_batch 2048 \
-    --soft_labels false --learning_rate 1e-3 --warmup_steps 20 --max_steps 350 --save_every 50 \
-    --log_every 10 --heldout_every 100 --eval_every 0 --report_to none
+    --data data/train/selfdistill9k_answers.jsonl.gz --draft_vocab_size 4096 \
+    --soft_labels false --learning_rate 1e-3 --warmup_steps 20 --max_steps 850 --save_every 50 \
+    --log_every 10 --heldout_every 250 --eval_every 250 --eval_num_prompts 8 \
+    --eval_max_new_tokens 64 --report_to none
   "$PYTHON" -m heads.artifact cast runs/ship/medusa/artifact artifacts/smollm2-135m/medusa \
     --dtype bf16 --overwrite
   ;;
@@ -137,6 +141,15 @@ shipped-eagle3-bench)  # the EAGLE-3 head of shipped-eagle3 on the 80 MT-bench f
     --method eagle:artifacts/smollm2-135m/eagle3 --tree fixed --tree-depth 5 --tree-topk 8 \
     --tree-nodes 32 --draft-dtype bf16 --prompts data/eval/mt_bench_question.jsonl \
     --num-prompts 80 --max-new-tokens 128 --temperature 0 --out reports/shipped_eagle3_tree32_t0.json
+  ;;
+shipped-medusa-bench)  # the Medusa-1 heads of shipped-medusa on the 80 MT-bench first turns, 128
+  # tokens, greedy, their tree by --tree auto, beside plain generate; then their held-out
+  # acceptance against training minutes, from the run's own measurements
+  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf \
+    --method medusa:artifacts/smollm2-135m/medusa --tree auto --draft-dtype bf16 \
+    --prompts data/eval/mt_bench_question.jsonl --num-prompts 80 --max-new-tokens 128 \
+    --temperature 0 --out reports/shipped_medusa_t0.json
+  "$PYTHON" scripts/acceptance_curve.py runs/ship/medusa --out reports/shipped_medusa_curve.json
   ;;
 bench)  # MT-bench first turns, 128 tokens; tree settings tuned on 4 Vicuna-bench prompts
   # heads, temperature 0, 80 prompts: ~40 min
@@ -203,7 +216,7 @@ llama-regenerate)  # regeneration through llama-server's parallel slots against 
     --max-new-tokens 128 --out reports/regenerate_speed.json
   ;;
 *)
-  echo "usage: $0 prompts|regenerate|eagle|medusa|distill|bench|distill-fixed|shipped-eagle3|shipped-eagle3-bench|shipped-medusa|shipped-bench|shipped-dflash|block-bench|llama-costs|llama-bench|llama-cross-check|llama-regenerate" >&2
+  echo "usage: $0 prompts|regenerate|eagle|medusa|distill|bench|distill-fixed|shipped-eagle3|shipped-eagle3-bench|shipped-medusa|shipped-medusa-bench|shipped-bench|shipped-dflash|block-bench|llama-costs|llama-bench|llama-cross-check|llama-regenerate" >&2
   exit 2
   ;;
 esac
