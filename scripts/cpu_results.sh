@@ -63,7 +63,8 @@ medusa)  # Medusa-1, 4 heads sharing the LM head, 100 steps, 1 thread (beside an
   OMP_NUM_THREADS=1 "${LAUNCH[@]}" --num_cpu_threads_per_process 1 train/medusa.py \
     --config configs/medusa/smollm2-135m.yaml --output_dir runs/medusa1 --resume latest \
     --data runs/selfdistill.jsonl --soft_labels false --max_steps 100 --warmup_steps 10 \
-    --save_every 50 --log_every 5 --heldout_every 50 --eval_every 100 \
+    --max_tokens_per_batch none --draft_vocab_size none --save_every 50 --log_every 5 \
+    --heldout_every 50 --eval_every 100 \
     --eval_prompts "$HELDOUT" --eval_num_prompts 2 --eval_max_new_tokens 32 --report_to none
   ;;
 distill)  # truncate:6 distilled off-policy (JSD) on the answers, 200 steps, 2 threads: 22 min
