@@ -32,14 +32,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from heads.artifact import FORMAT_VERSION, check_finite
+from heads.artifact import DRAFT_INFO_KEY, FORMAT_VERSION, check_finite
 from heads.file_formats import read_json_object
 from heads.output_dir import write_dir
 from heads.target import Target, check_model_directory, freeze, is_hub_id, resolve_target
 
 TRUNCATE_PREFIX = "truncate:"
-# config.json key under which a saved draft records what it is and which target it was made for
-DRAFT_INFO_KEY = "draftsmith"
 
 
 def truncate_model(model: nn.Module, num_layers: int, share: bool = True) -> nn.Module:
@@ -187,8 +185,14 @@ def load_draft(spec: str, target: Target, trainable: bool = False,
         check_model_directory(path, what="draft")
         # never the directory's own code (config.json's auto_map): an architecture transformers
         # lacks is refused with its error
-        if (read_draft_info(path) or {}).get("draft_vocab_size"):
-            draft = _load_restricted(path, dtype or target.dtype)
+        info = read_draft_info(path) or {}
+        if info.get("embedding") == "target" and not info.get("draft_vocab_size"):
+            raise ValueError(f"{path} leaves its input embedding to the target but has no reduced "
+                             f"vocabulary (draft_vocab_size); the directory is damaged: write "
+                             f"the draft again")
+        if info.get("draft_vocab_size"):
+            draft = _load_restricted(path, dtype or target.dtype,
+                                     target if info.get("embedding") == "target" else None, info)
         else:
             draft = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or target.dtype,
                                                          trust_remote_code=False)
@@ -207,9 +211,13 @@ def load_draft(spec: str, target: Target, trainable: bool = False,
     return draft
 
 
-def _load_restricted(path: Path, dtype: torch.dtype) -> nn.Module:
+def _load_restricted(path: Path, dtype: torch.dtype, target: Target | None = None,
+                     info: dict | None = None) -> nn.Module:
     """A draft directory whose LM head is a :class:`DraftVocabHead` (``lm_head.weight`` with the
-    kept rows, ``lm_head.kept`` their ids), which transformers' loader refuses by design."""
+    kept rows, ``lm_head.kept`` their ids), which transformers' loader refuses by design.
+
+    ``target``: the directory leaves the input embedding out (``"embedding": "target"``); it is
+    the target's, which must be the one the directory records (same shapes and weights)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -227,6 +235,16 @@ def _load_restricted(path: Path, dtype: torch.dtype) -> nn.Module:
     restrict_vocabulary(model, kept)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight", "model.embed_tokens.weight"} if config.tie_word_embeddings else set()
+    if target is not None:  # the embedding the directory leaves out: the target's own
+        target.check_identity((info or {}).get("target") or {}, what=f"draft {path}")
+        embedding = model.get_input_embeddings().weight
+        source = target.model.get_input_embeddings().weight
+        if embedding.shape != source.shape:
+            raise ValueError(f"{path}: the draft's input embedding is {tuple(embedding.shape)}, "
+                             f"the target's {tuple(source.shape)}; it cannot take the target's")
+        with torch.no_grad():
+            embedding.copy_(source.to(embedding.dtype))
+        tied |= {n for n, p in model.named_parameters() if p is embedding}
     if [m for m in missing if m not in tied] or unexpected:
         raise ValueError(f"{path}: weights do not fit the draft's config (missing "
                          f"{missing[:3]}, unexpected {unexpected[:3]})")
@@ -410,7 +428,8 @@ def merge_lora(model: nn.Module) -> nn.Module:
 
 
 def save_draft(model: nn.Module, tokenizer, out_dir: str | os.PathLike, target_identity: dict,
-               extra: dict | None = None, overwrite: bool = False) -> Path:
+               extra: dict | None = None, overwrite: bool = False,
+               embedding_from_target: bool = False) -> Path:
     """Write a plain Hugging Face model directory for the draft, atomically.
 
     Written by :func:`heads.output_dir.write_dir` (marked as an ``artifact``): an existing
@@ -422,6 +441,11 @@ def save_draft(model: nn.Module, tokenizer, out_dir: str | os.PathLike, target_i
     model.safetensors, generation_config.json and the target's tokenizer files with its chat
     template: loadable by ``AutoModelForCausalLM.from_pretrained``, usable as ``assistant_model``
     and by ``load_draft(out_dir, target)``. Pass the unwrapped model (no peft, no DDP wrapper).
+
+    ``embedding_from_target``: the draft's input embedding is the target's, unchanged (a draft
+    trained with it frozen, with a reduced vocabulary so the LM head is its own); the directory
+    leaves it out and records ``"embedding": "target"``, and :func:`load_draft` takes it from the
+    target the directory names (refusing other weights).
     """
     from peft import PeftModel
 
@@ -453,6 +477,18 @@ def save_draft(model: nn.Module, tokenizer, out_dir: str | os.PathLike, target_i
     head = model.get_output_embeddings()
     if isinstance(head, DraftVocabHead):  # what load_draft reads back through its own path
         info["draft_vocab_size"] = int(head.kept.numel())
+    state = None
+    if embedding_from_target:
+        if not isinstance(head, DraftVocabHead):
+            raise ValueError("embedding_from_target needs a draft with a reduced vocabulary (its "
+                             "LM head its own, not tied to the embedding it leaves out)")
+        embedding = model.get_input_embeddings().weight
+        names = [n for n, p in model.named_parameters() if p is embedding]
+        if len(names) != 1:
+            raise ValueError(f"cannot name the draft's input embedding among its parameters "
+                             f"(found {names})")
+        info["embedding"] = "target"
+        state = {k: v for k, v in model.state_dict().items() if k != names[0]}
     try:
         json.dumps(info)
     except TypeError as err:
@@ -461,7 +497,7 @@ def save_draft(model: nn.Module, tokenizer, out_dir: str | os.PathLike, target_i
     check_finite(model.state_dict(), f"the draft {out_dir} was not written")
 
     def fill(tmp: Path) -> None:
-        model.save_pretrained(str(tmp))
+        model.save_pretrained(str(tmp), state_dict=state)
         tokenizer.save_pretrained(str(tmp))
         if not (tmp / "generation_config.json").is_file() and getattr(
                 model, "generation_config", None) is not None:
@@ -482,3 +518,4 @@ def read_draft_info(directory: str | os.PathLike) -> dict | None:
         raise FileNotFoundError(f"{directory} is not a model directory (no config.json)")
     return read_json_object(path, fix="the model directory is damaged: write or download it "
                                       "again").get(DRAFT_INFO_KEY)
+

@@ -49,6 +49,11 @@ DIVERGED = ("the training diverged: lower learning_rate (or set max_grad_norm) a
             "from an earlier checkpoint")
 
 
+# config.json key under which a distilled draft (a Hugging Face model directory) records what it
+# is and which target it was made for
+DRAFT_INFO_KEY = "draftsmith"
+
+
 def check_finite(tensors: Mapping[str, torch.Tensor], what: str, fix: str = DIVERGED) -> None:
     """Refuse weights with a NaN or infinite value, naming the first such tensor and ``fix``.
 
@@ -139,13 +144,19 @@ def cast_artifact(source: str | os.PathLike, out: str | os.PathLike, dtype: torc
     source (Medusa-2's ``base_model``) point into the copy. ``out`` is checked before anything
     is read: never ``source``, a directory holding it or one inside it (not even with
     ``overwrite``); an existing ``out`` is replaced only when it is an earlier cast of the same
-    source, anything else only with ``overwrite``.
+    source, anything else only with ``overwrite``. A distilled draft's model directory is cast
+    the same way (:func:`_cast_draft`).
     """
     source = Path(source).expanduser()
     origin = str(source.resolve())
     refuse_inputs([out], [source])
     check_destination(out, kind="artifact", overwrite=overwrite, protect=[source],
                       same_as={"cast_from": origin})
+    if (source / "config.json").is_file():
+        fields = read_json_object(source / "config.json", fix="the artifact is damaged: train or "
+                                  "export it again")
+        if "method" not in fields and DRAFT_INFO_KEY in fields:  # a distilled draft's directory
+            return _cast_draft(source, fields, out, dtype, overwrite)
     config, tensors = load_artifact(source)
     method = config.pop("method")
     target = config.pop("target")
@@ -166,6 +177,37 @@ def cast_artifact(source: str | os.PathLike, out: str | os.PathLike, dtype: torc
                          marker={"cast_from": origin}, same_as={"cast_from": origin})
 
 
+def _cast_draft(source: Path, config: dict, out: str | os.PathLike, dtype: torch.dtype,
+                overwrite: bool) -> Path:
+    """:func:`cast_artifact` for a distilled draft (a Hugging Face model directory written by
+    ``distill.draft.save_draft``): its one model.safetensors cast (a reduced vocabulary's
+    ``lm_head.kept`` ids unchanged), config.json's ``dtype`` set, every other file copied."""
+    origin = str(source.resolve())
+    weights = sorted(source.glob("*.safetensors"))
+    if [w.name for w in weights] != ["model.safetensors"]:
+        raise FileNotFoundError(f"{source}: a draft to cast is one model.safetensors, found "
+                                f"{[w.name for w in weights]}")
+    tensors = load_safetensors(weights[0], fix="the draft is damaged: write it again")
+    cast = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous()
+            for k, v in tensors.items()}
+    check_finite(cast, f"the draft {source} does not fit in {dtype}",
+                 fix="it was not cast; cast it to bf16 or fp32")
+    config = {**config, "dtype": str(dtype).removeprefix("torch.")}
+    config.pop("torch_dtype", None)
+
+    def fill(tmp: Path) -> None:
+        for path in source.iterdir():
+            if path.is_file() and not path.name.startswith(".") and path.suffix != ".safetensors" \
+                    and path.name != "config.json":
+                shutil.copyfile(path, tmp / path.name)
+        save_file(cast, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    return write_dir(out, fill, kind="artifact", overwrite=overwrite, protect=[source],
+                     marker={"method": "draft", "cast_from": origin},
+                     same_as={"cast_from": origin})
+
+
 def build_parser():
     import argparse
 
@@ -174,7 +216,8 @@ def build_parser():
     parser = argparse.ArgumentParser(prog="python -m heads.artifact",
                                      description="Operations on draftsmith artifacts.")
     sub = parser.add_subparsers(dest="command", required=True)
-    cast = sub.add_parser("cast", help="copy an artifact with its weights in another precision")
+    cast = sub.add_parser("cast", help="copy an artifact (or a distilled draft's directory) with "
+                          "its weights in another precision")
     cast.add_argument("source")
     cast.add_argument("out", help="a new directory, or an earlier cast of SOURCE (anything else "
                       "needs --overwrite; never SOURCE or a directory holding it)")

@@ -27,7 +27,7 @@ from heads.output_dir import write_atomic
 SETTINGS = ("data", "eval_prompts", "eval_num_prompts", "eval_max_new_tokens", "eval_temperature",
             "tree_depth", "tree_topk", "tree_nodes", "learning_rate", "ttt_steps",
             "draft_vocab_size", "init_layer", "max_steps", "eval_tree_nodes", "num_heads",
-            "soft_labels")
+            "soft_labels", "draft", "freeze_embedding", "draft_depth", "draft_min_confidence")
 
 
 def curve(run: Path) -> dict:

@@ -140,7 +140,7 @@ def test_config_keys_are_checked_and_the_shipped_configs_parse():
     for name in ("smollm2-135m", "tiny"):
         cfg = parse_config(DistillConfig, ["--config", str(REPO / "configs/distill" /
                                                            f"{name}.yaml")])
-        assert cfg.draft.startswith("truncate:") and 0 < cfg.on_policy_ratio < 1
+        assert cfg.draft.startswith("truncate:") and 0 <= cfg.on_policy_ratio < 1
     with pytest.raises(ValueError, match="did you mean 'divergence'"):
         parse_config(DistillConfig, ["--divergance", "tvd"])
     with pytest.raises(ValueError, match="choose one of"):
@@ -564,3 +564,64 @@ def test_a_reduced_draft_vocabulary_trains_resumes_and_decodes_exactly(files, tm
                              max_steps=6, resume="latest"))
     with pytest.raises(ValueError, match="infinite where the target gives probability"):
         base_config(files, tmp_path / "kl", draft_vocab_size=12, divergence="forward_kl")
+
+
+def test_a_frozen_embedding_is_the_targets_left_out_of_the_directory_and_taken_back(
+        files, tmp_path):
+    """freeze_embedding: the draft trains its layers and reduced LM head only; the directory holds
+    no embedding and the loader takes the target's (refusing a target with other weights); the
+    draft decodes exactly. Settings it cannot apply to are refused when the config is read."""
+    out = tmp_path / "run"
+    result = main(base_config(files, out, draft="truncate:2", draft_vocab_size=12,
+                              freeze_embedding=True, eval_every=0, heldout_every=0))
+    artifact = Path(result["artifact"])
+    assert read_draft_info(artifact)["embedding"] == "target"
+    on_disk = weights_on_disk(str(artifact))
+    assert not any("embed_tokens" in k for k in on_disk)
+    target = load_target(files["target"])
+    embedding = target.model.get_input_embeddings().weight
+    start = LlamaForCausalLM.from_pretrained(files["target"])
+    trained = [k for k, v in on_disk.items() if k.startswith("model.layers.0.")
+               and not torch.equal(v, start.state_dict()[k])]
+    assert trained  # the layers moved; the embedding could not
+    draft = load_draft(str(artifact), target)
+    assert torch.equal(draft.get_input_embeddings().weight, embedding)
+    prompt = target.chat_ids("w1 w2 w3")
+    plain, speculative = build_methods(["plain", f"draft:{artifact}"], target,
+                                       options={"draft": {"max_depth": 4, "min_confidence": 0.0}})
+    greedy = SamplingParams(temperature=0.0)
+    assert speculative.run(prompt, 12, greedy, seed=0).tokens == \
+        plain.run(prompt, 12, greedy, seed=0).tokens
+
+    # shipped in bf16 through `python -m heads.artifact cast`: half the bytes, the ids kept, the
+    # same refusals as any cast (never over its source), and it still decodes exactly
+    from heads.artifact import main as artifact_main
+
+    shipped = tmp_path / "shipped"
+    assert artifact_main(["cast", str(artifact), str(shipped), "--dtype", "bf16"]) == 0
+    cast = weights_on_disk(str(shipped))
+    assert cast.keys() == on_disk.keys() and cast["lm_head.kept"].dtype == torch.int64
+    assert all(v.dtype == torch.bfloat16 for k, v in cast.items() if k != "lm_head.kept")
+    assert read_draft_info(shipped) == read_draft_info(artifact)
+    assert artifact_main(["cast", str(shipped), str(artifact), "--dtype", "fp32"]) == 2
+    assert artifact_main(["cast", str(artifact), str(shipped), "--dtype", "bf16"]) == 0  # again
+    plain, speculative = build_methods(["plain", f"draft:{shipped}"], target,
+                                       options={"draft": {"max_depth": 4, "min_confidence": 0.0}})
+    assert speculative.run(prompt, 12, greedy, seed=0).tokens == \
+        plain.run(prompt, 12, greedy, seed=0).tokens
+
+    other = tmp_path / "other-target"  # the same shapes, another embedding: not the draft's
+    start.model.embed_tokens.weight.data.add_(0.5)
+    start.save_pretrained(str(other))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (Path(files["target"]) / name).is_file():
+            (other / name).write_bytes((Path(files["target"]) / name).read_bytes())
+    with pytest.raises(ValueError, match="other weights"):
+        load_draft(str(artifact), load_target(str(other)))
+
+    for bad in ({"freeze_embedding": True},  # the LM head would be the tied embedding
+                {"freeze_embedding": True, "draft_vocab_size": 12, "draft": "fresh:1",
+                 "draft_hidden_size": 8},
+                {"freeze_embedding": True, "draft_vocab_size": 12, "lora": True}):
+        with pytest.raises(ValueError, match="freeze_embedding"):
+            base_config(files, tmp_path / "bad", **bad)

@@ -113,6 +113,12 @@ class DistillConfig(LoraKeys, TrainConfig):
     draft_hidden_size: int | None = option(
         None, "fresh:L only: the new model's hidden size (none: the target's; the embedding and "
         "LM head then start as copies of the target's)")
+    freeze_embedding: bool = option(
+        False, "keep the draft's input embedding the target's, frozen: the draft learns its layers "
+        "and LM head only, and its directory leaves the embedding out (the loader takes it from "
+        "the target, whose weights digest the directory records); on SmolLM2 that is 28 M of a "
+        "2-layer draft's 31 M parameters. Needs draft_vocab_size (the LM head its own) and the "
+        "target's width (truncate:N, or fresh:L without draft_hidden_size)")
     divergence: Literal["forward_kl", "reverse_kl", "jsd", "tvd"] = option(
         "jsd", "forward_kl = KL(target||draft), reverse_kl = KL(draft||target), jsd (generalised, "
         "with beta), tvd (1 - tvd is the acceptance rate)")
@@ -173,6 +179,15 @@ class DistillConfig(LoraKeys, TrainConfig):
         if self.draft_hidden_size is not None and self.draft_hidden_size < 1:
             raise ValueError(f"config key 'draft_hidden_size' must be >= 1, got "
                              f"{self.draft_hidden_size}")
+        if self.freeze_embedding and (self.draft_vocab_size is None
+                                      or self.draft_hidden_size is not None
+                                      or kind == "directory" or self.lora):
+            raise ValueError(
+                "freeze_embedding: true keeps the target's input embedding in a draft of the "
+                "target's width with its own LM head: it needs draft_vocab_size, a truncate:N or "
+                "fresh:L draft without draft_hidden_size, and lora: false; got "
+                f"draft {self.draft!r}, draft_vocab_size {self.draft_vocab_size}, "
+                f"draft_hidden_size {self.draft_hidden_size}, lora {self.lora}")
         if self.lora and kind == "fresh":
             raise ValueError("lora: true with a fresh:L draft would train adapters on random "
                              "weights; train a fresh draft fully (lora: false), or give "
@@ -467,6 +482,11 @@ def build_draft(cfg: DistillConfig, target: Target, kept: torch.Tensor | None = 
     draft = draft.float()
     if kept is not None:
         restrict_vocabulary(draft, kept)
+    if cfg.freeze_embedding:  # the target's rows, never trained (and never written)
+        embedding = draft.get_input_embeddings().weight
+        with torch.no_grad():
+            embedding.copy_(target.model.get_input_embeddings().weight)
+        embedding.requires_grad_(False)
     if cfg.gradient_checkpointing:  # recompute the draft's layers in the backward pass
         draft.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False})
@@ -742,7 +762,8 @@ def export(cfg: DistillConfig, accelerator, target: Target, kept: torch.Tensor |
         plain = merge_lora(module) if cfg.lora else module
         plain.eval()
         artifact = save_draft(plain, target.tokenizer, Path(cfg.output_dir) / "artifact",
-                              target.identity(), overwrite=bool(cfg.overwrite), extra={
+                              target.identity(), overwrite=bool(cfg.overwrite),
+                              embedding_from_target=cfg.freeze_embedding, extra={
                                   "trainer": "train/distill.py", "draft": cfg.draft,
                                   "divergence": cfg.divergence, "beta": cfg.beta,
                                   "temperature": cfg.temperature,
