@@ -5,6 +5,8 @@
 #                                              | distill-fixed
 #                                              | shipped-eagle3 | shipped-eagle3-bench
 #                                              | shipped-medusa | shipped-medusa-bench
+#                                              | shipped-distill | shipped-distill-tune
+#                                              | shipped-distill-bench
 #                                              | shipped-bench
 #                                              | shipped-dflash | block-bench | llama-costs
 #                                              | llama-bench | llama-cross-check
@@ -70,6 +72,7 @@ medusa)  # Medusa-1, 4 heads sharing the LM head, 100 steps, 1 thread (beside an
 distill)  # truncate:6 distilled off-policy (JSD) on the answers, 200 steps, 2 threads: 22 min
   "${LAUNCH[@]}" --num_cpu_threads_per_process 2 train/distill.py \
     --config configs/distill/smollm2-135m.yaml --output_dir runs/distill6 --resume latest \
+    --draft truncate:6 --draft_vocab_size none --freeze_embedding false \
     --data runs/selfdistill.jsonl --max_length 512 --per_device_batch_size 4 \
     --on_policy_ratio 0 --learning_rate 3e-4 --warmup_steps 10 --max_steps 200 \
     --save_every 50 --log_every 5 --heldout_every 50 --heldout_max_rows 16 --eval_every 200 \
@@ -80,6 +83,7 @@ distill-fixed)  # the same recipe after the loss-weight overflow fix (an int8 su
   # data of the run above is gone), then before/after at temperature 0 on 8 prompts
   "${LAUNCH[@]}" --num_cpu_threads_per_process 2 train/distill.py \
     --config configs/distill/smollm2-135m.yaml --output_dir runs/distill6-fixed --resume latest \
+    --draft truncate:6 --draft_vocab_size none --freeze_embedding false \
     --data data/train/selfdistill_answers.jsonl --max_length 512 --per_device_batch_size 4 \
     --on_policy_ratio 0 --learning_rate 3e-4 --warmup_steps 10 --max_steps 200 \
     --save_every 50 --log_every 5 --heldout_every 50 --heldout_max_rows 16 --eval_every 200 \
@@ -115,6 +119,45 @@ shipped-medusa)  # artifacts/smollm2-135m/medusa: Medusa-1, 4 heads over a 4096-
     --eval_max_new_tokens 64 --report_to none
   "$PYTHON" -m heads.artifact cast runs/ship/medusa/artifact artifacts/smollm2-135m/medusa \
     --dtype bf16 --overwrite
+  ;;
+shipped-distill)  # artifacts/smollm2-135m/draft: the target's first 2 layers, distilled (JSD,
+  # off-policy on the 9k answers), its LM head over 4096 draft tokens, its input embedding the
+  # target's, frozen and not shipped; the 4-minute sweep's cheapest point at equal tau, 280 steps
+  # of 2048-token batches, held-out acceptance every 70 steps
+  "$PYTHON" train/distill.py --config configs/distill/smollm2-135m.yaml \
+    --output_dir runs/ship/distill --resume latest --draft truncate:2 --draft_vocab_size 4096 \
+    --freeze_embedding true --data data/train/selfdistill9k_answers.jsonl.gz --max_length 512 \
+    --max_tokens_per_batch 2048 --on_policy_ratio 0 --learning_rate 3e-4 --warmup_steps 10 \
+    --max_steps 280 --save_every 40 --log_every 10 --heldout_every 0 --eval_every 70 \
+    --eval_num_prompts 4 --eval_max_new_tokens 64 --report_to none
+  "$PYTHON" -m heads.artifact cast runs/ship/distill/artifact artifacts/smollm2-135m/draft \
+    --dtype bf16 --overwrite
+  ;;
+shipped-distill-tune)  # how the shipped draft proposes, on 8 held-out Vicuna-bench prompts, each
+  # setting in a run of its own beside hf (reports/distill_tune_*.json): chains (most tokens,
+  # confidence stop) and static trees (children per depth); 3 children at depth 1 won
+  for setting in "--draft-depth 5 --draft-min-confidence 0.4" \
+      "--draft-depth 3 --draft-min-confidence 0.4" "--draft-depth 5 --draft-min-confidence 0.6" \
+      "--draft-depth 8 --draft-min-confidence 0.5" "--draft-branching 3" "--draft-branching 4,1" \
+      "--draft-branching 5"; do
+    # shellcheck disable=SC2086  # the setting is flags
+    name=$(echo $setting | sed -e 's/--draft-//g' -e 's/min-confidence /conf/' -e 's/depth /depth/' \
+           -e 's/branching /branching/' -e 's/,/-/g' -e 's/ /_/g')
+    # shellcheck disable=SC2086
+    "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf \
+      --method draft:artifacts/smollm2-135m/draft --draft-dtype bf16 $setting \
+      --prompts "$HELDOUT" --num-prompts 8 --max-new-tokens 128 --temperature 0 \
+      --out "reports/distill_tune_$name.json"
+  done
+  ;;
+shipped-distill-bench)  # the draft of shipped-distill on the 80 MT-bench first turns, 128 tokens,
+  # greedy, beside plain generate, with the tuning's 3 children at depth 1; then its held-out
+  # acceptance against training minutes
+  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf \
+    --method draft:artifacts/smollm2-135m/draft --draft-dtype bf16 --draft-branching 3 \
+    --prompts data/eval/mt_bench_question.jsonl --num-prompts 80 \
+    --max-new-tokens 128 --temperature 0 --out reports/shipped_distill_t0.json
+  "$PYTHON" scripts/acceptance_curve.py runs/ship/distill --out reports/shipped_distill_curve.json
   ;;
 shipped-bench)  # the shipped heads on the 80 MT-bench first turns, 128 tokens, trees by --tree auto
   # (acceptance measured on 8 Vicuna-bench prompts, kept in each artifact's tree_calibration.json)

@@ -45,8 +45,11 @@ EAGLE3_BASE = ["--max_length", "512", "--max_tokens_per_batch", "2048", "--ttt_s
 MEDUSA_BASE = ["--max_length", "512", "--max_tokens_per_batch", "2048", "--soft_labels", "false",
                "--learning_rate", "1e-3", "--warmup_steps", "20", "--heldout_every", "0",
                "--draft_vocab_size", "8192", "--data", "data/train/selfdistill_answers.jsonl"]
-# the distilled draft's recipe (scripts/cpu_results.sh distill-fixed), on 2048-token batches
-DISTILL_BASE = ["--max_length", "512", "--max_tokens_per_batch", "2048", "--on_policy_ratio", "0",
+# the distilled draft's recipe before the sweep (scripts/cpu_results.sh distill-fixed), on
+# 2048-token batches (pinned: the config now holds the shipped draft's)
+DISTILL_BASE = ["--draft", "truncate:6", "--draft_vocab_size", "none", "--freeze_embedding", "false",
+                "--data", "data/train/selfdistill_answers.jsonl",
+                "--max_length", "512", "--max_tokens_per_batch", "2048", "--on_policy_ratio", "0",
                 "--learning_rate", "3e-4", "--warmup_steps", "10", "--heldout_every", "0"]
 SWEEPS = {
     "eagle3": {

@@ -69,3 +69,22 @@ def test_the_shipped_eagle_head_loads_for_the_embedded_target_and_stays_exact(sm
     drafted = engine.generate(ids, 32, proposer=proposer)
     assert drafted.tokens == plain.tokens
     assert drafted.tau > 1.1  # a trained head (an untrained one stays near 1.0)
+
+
+def test_the_shipped_distilled_draft_takes_the_targets_embedding_and_stays_exact(smollm2,
+                                                                                  prompt_ids):
+    from heads.file_formats import read_json_object
+
+    shipped = Path(__file__).resolve().parents[1] / "artifacts" / "smollm2-135m" / "draft"
+    info = read_json_object(shipped / "config.json", fix="")["draftsmith"]
+    assert info["embedding"] == "target" and info["draft_vocab_size"] == 4096
+    draft = load_draft(str(shipped), smollm2, dtype=torch.bfloat16)  # its digest is checked
+    assert torch.equal(draft.get_input_embeddings().weight,
+                       smollm2.model.get_input_embeddings().weight.to(torch.bfloat16))
+    ids = prompt_ids[0]
+    engine = SpeculativeEngine(smollm2)
+    plain = engine.generate(ids, 48)
+    for proposer in (DraftModelProposer(draft, max_depth=4), DraftModelProposer(draft, branching=[3])):
+        drafted = engine.generate(ids, 48, proposer=proposer)
+        assert drafted.tokens == plain.tokens
+    assert drafted.tau > 1.1  # 3 guesses of a trained draft (untrained truncate:2: about 1.05)
