@@ -158,6 +158,11 @@ shipped-distill-bench)  # the draft of shipped-distill on the 80 MT-bench first 
     --prompts data/eval/mt_bench_question.jsonl --num-prompts 80 \
     --max-new-tokens 128 --temperature 0 --out reports/shipped_distill_t0.json
   "$PYTHON" scripts/acceptance_curve.py runs/ship/distill --out reports/shipped_distill_curve.json
+  # sampling at temperature 1, the first 20 prompts (no greedy check at T > 0)
+  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf \
+    --method draft:artifacts/smollm2-135m/draft --draft-dtype bf16 --draft-branching 3 \
+    --prompts data/eval/mt_bench_question.jsonl --num-prompts 20 --max-new-tokens 128 \
+    --temperature 1 --seed 0 --out reports/shipped_distill_t1.json
   ;;
 shipped-bench)  # the shipped heads on the 80 MT-bench first turns, 128 tokens, trees by --tree auto
   # (acceptance measured on 8 Vicuna-bench prompts, kept in each artifact's tree_calibration.json)
