@@ -518,4 +518,3 @@ def read_draft_info(directory: str | os.PathLike) -> dict | None:
         raise FileNotFoundError(f"{directory} is not a model directory (no config.json)")
     return read_json_object(path, fix="the model directory is damaged: write or download it "
                                       "again").get(DRAFT_INFO_KEY)
-

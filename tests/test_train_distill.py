@@ -124,6 +124,16 @@ def base_config(files, out: Path, **overrides) -> DistillConfig:
     return config_from_dict(DistillConfig, values)
 
 
+def decodes_like_the_target(target, draft_dir) -> bool:
+    """Greedy decoding with the draft directory's chains equals the target's own, token for token."""
+    prompt = target.chat_ids("w1 w2 w3")
+    plain, speculative = build_methods(["plain", f"draft:{draft_dir}"], target,
+                                       options={"draft": {"max_depth": 4, "min_confidence": 0.0}})
+    greedy = SamplingParams(temperature=0.0)
+    return speculative.run(prompt, 12, greedy, seed=0).tokens == \
+        plain.run(prompt, 12, greedy, seed=0).tokens
+
+
 def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -540,12 +550,7 @@ def test_a_reduced_draft_vocabulary_trains_resumes_and_decodes_exactly(files, tm
     draft = load_draft(str(artifact), target)
     head = draft.get_output_embeddings()
     assert isinstance(head, DraftVocabHead) and head.weight.shape[0] == 12
-    prompt = target.chat_ids("w1 w2 w3")
-    plain, speculative = build_methods(["plain", f"draft:{artifact}"], target,
-                                       options={"draft": {"max_depth": 4, "min_confidence": 0.0}})
-    greedy = SamplingParams(temperature=0.0)
-    assert speculative.run(prompt, 12, greedy, seed=0).tokens == \
-        plain.run(prompt, 12, greedy, seed=0).tokens
+    assert decodes_like_the_target(target, artifact)
     with pytest.raises(ValueError, match="reduced vocabulary.*--method draft:"):
         build_methods([f"hf-assisted:{artifact}"], target)
 
@@ -586,12 +591,7 @@ def test_a_frozen_embedding_is_the_targets_left_out_of_the_directory_and_taken_b
     assert trained  # the layers moved; the embedding could not
     draft = load_draft(str(artifact), target)
     assert torch.equal(draft.get_input_embeddings().weight, embedding)
-    prompt = target.chat_ids("w1 w2 w3")
-    plain, speculative = build_methods(["plain", f"draft:{artifact}"], target,
-                                       options={"draft": {"max_depth": 4, "min_confidence": 0.0}})
-    greedy = SamplingParams(temperature=0.0)
-    assert speculative.run(prompt, 12, greedy, seed=0).tokens == \
-        plain.run(prompt, 12, greedy, seed=0).tokens
+    assert decodes_like_the_target(target, artifact)
 
     # shipped in bf16 through `python -m heads.artifact cast`: half the bytes, the ids kept, the
     # same refusals as any cast (never over its source), and it still decodes exactly
@@ -605,10 +605,7 @@ def test_a_frozen_embedding_is_the_targets_left_out_of_the_directory_and_taken_b
     assert read_draft_info(shipped) == read_draft_info(artifact)
     assert artifact_main(["cast", str(shipped), str(artifact), "--dtype", "fp32"]) == 2
     assert artifact_main(["cast", str(artifact), str(shipped), "--dtype", "bf16"]) == 0  # again
-    plain, speculative = build_methods(["plain", f"draft:{shipped}"], target,
-                                       options={"draft": {"max_depth": 4, "min_confidence": 0.0}})
-    assert speculative.run(prompt, 12, greedy, seed=0).tokens == \
-        plain.run(prompt, 12, greedy, seed=0).tokens
+    assert decodes_like_the_target(target, shipped)
 
     other = tmp_path / "other-target"  # the same shapes, another embedding: not the draft's
     start.model.embed_tokens.weight.data.add_(0.5)
