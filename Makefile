@@ -11,6 +11,8 @@ BENCH_DRAFT ?= truncate:8
 SHIPPED_EAGLE := artifacts/smollm2-135m/eagle3
 SHIPPED_MEDUSA := artifacts/smollm2-135m/medusa
 SHIPPED_DFLASH := artifacts/smollm2-135m/dflash
+# the distilled draft drafts as its directory records (3 guesses at one depth; eval.draft propose)
+SHIPPED_DRAFT := artifacts/smollm2-135m/draft
 SHIPPED_TREE ?= --tree auto --draft-dtype bf16
 STAMP := .install.stamp
 
@@ -36,7 +38,7 @@ bench: install
 	  --method hf --method plain --method pld --method hf-pld \
 	  --method draft:$(BENCH_DRAFT) --method hf-assisted:$(BENCH_DRAFT) \
 	  --method eagle:$(SHIPPED_EAGLE) --method medusa:$(SHIPPED_MEDUSA) \
-	  --method dflash:$(SHIPPED_DFLASH) $(SHIPPED_TREE) \
+	  --method dflash:$(SHIPPED_DFLASH) --method draft:$(SHIPPED_DRAFT) $(SHIPPED_TREE) \
 	  --prompts $(BENCH_PROMPTS) --num-prompts $(BENCH_N) --max-new-tokens 128 \
 	  --temperature 0 --out reports/bench.json --html reports/bench.html
 

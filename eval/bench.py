@@ -308,6 +308,8 @@ def main(argv=None) -> list[dict]:
         for method, record in zip(methods, summary["methods"]):
             if getattr(method, "tree", None):
                 record["tree"] = method.tree
+            if getattr(method, "drafting", None):  # a draft LM's chain or static tree
+                record["drafting"] = method.drafting
         if args.params.greedy:
             explain_differences(methods, summary["methods"], prompts, args.max_new_tokens,
                                 args.params, run.tie_dtype, reference=run.reference)

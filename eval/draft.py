@@ -4,19 +4,32 @@
 layers): :class:`DraftModelProposer`, with the options ``--draft-depth``,
 ``--draft-min-confidence``, ``--draft-branching`` and ``--draft-children``
 (:data:`DRAFT_FLAGS`). The draft keeps its own KV cache over the accepted sequence.
+
+A draft directory may record how it drafts best (``"proposal"`` in its ``"draftsmith"`` block:
+the trainer writes its evaluation options there, ``python -m eval.draft propose`` a tuned
+setting): those options apply where the command line sets none (:func:`draft_options`).
+
+    python -m eval.draft propose artifacts/smollm2-135m/draft --draft-branching 3
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from pathlib import Path
 
 import torch
 
+from distill.draft import read_draft_info
 from eval.kv import keep_tree_path, new_cache
 from eval.proposers import Proposer
 from eval.runners import BuildContext, EngineMethod, OptionFlag, int_at_least, parse_probability
 from eval.sampling import warp
 from eval.tree import DraftTree
+from heads.artifact import DRAFT_INFO_KEY
+from heads.command_line import run_command
+from heads.output_dir import write_atomic
 from heads.target import tree_attention_mask
 from layouts.draft import export_layout
 from layouts.files import ExportOptions
@@ -187,10 +200,48 @@ DRAFT_FLAGS = (
 DRAFT_FIXED_OPTIONS = {"name": "the method's name on the command line"}
 
 
+PROPOSAL_KEY = "proposal"
+CHAIN_OPTIONS = ("max_depth", "min_confidence")  # set alone on the command line: a chain
+
+
+def recorded_proposal(spec: str) -> dict:
+    """The options a draft directory records as its own drafting (``"proposal"``), {} for
+    truncate:N, a hub id or a model directory that records none."""
+    if spec.startswith("truncate:") or not Path(spec).expanduser().is_dir():
+        return {}
+    proposal = (read_draft_info(Path(spec).expanduser()) or {}).get(PROPOSAL_KEY) or {}
+    known = {f.keyword for f in DRAFT_FLAGS}
+    if not isinstance(proposal, dict) or set(proposal) - known:
+        raise ValueError(f"{spec}/config.json: its {PROPOSAL_KEY!r} must map options among "
+                         f"{sorted(known)} to values, got {proposal!r}; record it again with "
+                         f"`python -m eval.draft propose {spec} ...`")
+    return {k: v for k, v in proposal.items() if v is not None}
+
+
+def draft_options(spec: str, given: dict) -> dict:
+    """The drafting of ``draft:<spec>``: the options set on the command line (``given``), then
+    the directory's recorded ones, then the proposer's defaults. A depth or confidence set on the
+    command line without ``--draft-branching`` asks for a chain: a recorded tree is dropped."""
+    recorded = recorded_proposal(spec)
+    if any(k in given for k in CHAIN_OPTIONS) and "branching" not in given:
+        recorded.pop("branching", None)
+    return {**recorded, **given}
+
+
 def build_draft(arg: str, name: str, ctx: BuildContext) -> EngineMethod:
-    """``draft:<dir|truncate:N>``."""
-    return EngineMethod(name, ctx.engine, DraftModelProposer(
-        ctx.draft(arg), name=name, **ctx.kind_options("draft")))
+    """``draft:<dir|truncate:N>``, drafting as :func:`draft_options` says."""
+    options = draft_options(arg, ctx.kind_options("draft"))
+    try:
+        proposer = DraftModelProposer(ctx.draft(arg), name=name, **options)
+    except ValueError as err:
+        raise ValueError(f"{name!r} drafting with {options}: {err}") from err
+    used = {k: v for k, v in options.items() if k not in ctx.kind_options("draft")}
+    if used:
+        print(f"[bench] {name}: drafting as {arg} records: {used}", file=sys.stderr)
+    method = EngineMethod(name, ctx.engine, proposer)
+    method.drafting = {"max_depth": proposer.max_depth, "min_confidence": proposer.min_confidence,
+                       "branching": proposer.branching, "children": proposer.children}
+    return method
 
 
 def serve_draft(arg: str, name: str, ctx) -> list[str]:
@@ -202,3 +253,53 @@ def serve_draft(arg: str, name: str, ctx) -> list[str]:
     path = ctx.work_dir / f"draft-{len(list(ctx.work_dir.glob('*.gguf')))}.gguf"
     gguf = export_layout(arg, "gguf", path, ExportOptions(gguf_type=ctx.gguf_type, overwrite=True))
     return ctx.draft_args(gguf, "draft-simple", 3)  # llama.cpp's own default
+
+
+def propose(directory: str, options: dict) -> dict:
+    """Record ``options`` (DraftModelProposer keywords) as the drafting of a distilled draft's
+    directory, in its config.json, after checking the proposer accepts them; returns what is
+    recorded. Options left out are the proposer's defaults (nothing of an earlier record kept)."""
+    path = Path(directory).expanduser()
+    info = read_draft_info(path)
+    if info is None:
+        raise ValueError(f"{directory} is not a draftsmith draft (its config.json has no "
+                         f"{DRAFT_INFO_KEY!r} block); train one with train/distill.py")
+    if not options:
+        raise ValueError("give at least one option to record (--draft-depth, "
+                         "--draft-min-confidence, --draft-branching, --draft-children)")
+    DraftModelProposer(torch.nn.Linear(1, 1), **options)  # refuses what the engine would
+    config_path = path / "config.json"
+    config = json.loads(config_path.read_text())
+    config[DRAFT_INFO_KEY][PROPOSAL_KEY] = dict(options)
+    write_atomic(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return dict(options)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m eval.draft", description=(
+        "Record how a distilled draft drafts by default (the options eval.bench applies to "
+        "draft:<dir> where its command line sets none)."))
+    sub = parser.add_subparsers(dest="command", required=True)
+    record = sub.add_parser("propose", help="record the draft's default drafting in its "
+                                            "config.json (replacing an earlier record)")
+    record.add_argument("directory", help="a distilled draft's directory (train/distill.py)")
+    for f in DRAFT_FLAGS:
+        record.add_argument(f.flag, dest=f.keyword, type=f.parse, default=None, help=f.help)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    options = {f.keyword: getattr(args, f.keyword) for f in DRAFT_FLAGS
+               if getattr(args, f.keyword) is not None}
+
+    def run() -> None:
+        recorded = propose(args.directory, options)
+        print(f"[draft] {args.directory} drafts with {recorded} unless the command line says "
+              f"otherwise")
+
+    return run_command(run, "python -m eval.draft")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

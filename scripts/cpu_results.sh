@@ -129,9 +129,12 @@ shipped-distill)  # artifacts/smollm2-135m/draft: the target's first 2 layers, d
     --freeze_embedding true --data data/train/selfdistill9k_answers.jsonl.gz --max_length 512 \
     --max_tokens_per_batch 2048 --on_policy_ratio 0 --learning_rate 3e-4 --warmup_steps 10 \
     --max_steps 280 --save_every 40 --log_every 10 --heldout_every 0 --eval_every 70 \
-    --eval_num_prompts 4 --eval_max_new_tokens 64 --report_to none
+    --eval_num_prompts 4 --eval_max_new_tokens 64 --draft_depth 5 --draft_branching "" \
+    --report_to none
   "$PYTHON" -m heads.artifact cast runs/ship/distill/artifact artifacts/smollm2-135m/draft \
     --dtype bf16 --overwrite
+  # the drafting shipped-distill-tune chose (the held-out curve above drafts chains of 5)
+  "$PYTHON" -m eval.draft propose artifacts/smollm2-135m/draft --draft-branching 3
   ;;
 shipped-distill-tune)  # how the shipped draft proposes, on 8 held-out Vicuna-bench prompts, each
   # setting in a run of its own beside hf (reports/distill_tune_*.json): chains (most tokens,

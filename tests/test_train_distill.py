@@ -366,6 +366,66 @@ def test_the_exported_draft_works_in_eval_bench_and_transformers(files, whole_ru
     assert torch.equal(assisted, reference)
 
 
+def test_the_artifact_records_its_drafting_and_the_bench_drafts_with_it(files, whole_run,
+                                                                        tmp_path):
+    """The trainer records its evaluation's drafting in the directory; `python -m eval.draft
+    propose` replaces it after checking it; draft:<dir> drafts with the record where the command
+    line sets nothing (a depth alone asks for a chain), stays exact, and the report says how it
+    drafted. A damaged record and bad options are refused by name."""
+    import shutil
+
+    from eval import bench
+    from eval.draft import main as draft_main
+
+    out, result = whole_run
+    artifact = tmp_path / "draft"
+    shutil.copytree(result["artifact"], artifact)
+    assert read_draft_info(artifact)["proposal"] == {
+        "max_depth": 6, "min_confidence": 0.0, "branching": None, "children": "topk"}
+    target = load_target(files["target"])
+
+    def drafting(options=None) -> dict:
+        method = build_methods([f"draft:{artifact}"], target, options={"draft": options or {}})[0]
+        return method.drafting
+
+    assert drafting() == {"max_depth": 6, "min_confidence": 0.0, "branching": None,
+                          "children": "topk"}
+    assert draft_main(["propose", str(artifact), "--draft-branching", "3,2"]) == 0
+    assert read_draft_info(artifact)["proposal"] == {"branching": [3, 2]}
+    assert drafting() == {"max_depth": 2, "min_confidence": 0.4, "branching": [3, 2],
+                          "children": "topk"}
+    assert drafting({"max_depth": 3})["branching"] is None  # a chain asked for
+    assert drafting({"branching": [2]})["branching"] == [2]
+    assert drafting({"children": "sample"})["branching"] == [3, 2]
+    prompt = target.chat_ids("w1 w2 w3")
+    plain, tree = build_methods(["plain", f"draft:{artifact}"], target)
+    greedy = SamplingParams(temperature=0.0)
+    assert tree.run(prompt, 12, greedy, seed=0).tokens == plain.run(prompt, 12, greedy, seed=0).tokens
+
+    records = bench.main(["--target", files["target"], "--method", f"draft:{artifact}",
+                          "--prompts", files["eval"], "--num-prompts", "1", "--max-new-tokens",
+                          "6", "--warmup", "0", "--no-progress", "--out",
+                          str(tmp_path / "r.json")])
+    name = f"draft:{artifact}"
+    assert next(r for r in records if r["method"] == name)["drafting"]["branching"] == [3, 2]
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert next(r for r in saved["methods"] if r["method"] == name)["drafting"] == {
+        "max_depth": 2, "min_confidence": 0.4, "branching": [3, 2], "children": "topk"}
+
+    before = (artifact / "config.json").read_text()
+    for bad in (["--draft-branching", "0"], ["--draft-min-confidence", "2"]):
+        with pytest.raises(SystemExit):  # argparse: exit status 2, the flag named
+            draft_main(["propose", str(artifact), *bad])
+    assert draft_main(["propose", str(artifact)]) == 2  # nothing to record
+    assert (artifact / "config.json").read_text() == before
+    assert draft_main(["propose", str(tmp_path), "--draft-depth", "2"]) == 2  # not a draft
+    config = json.loads(before)
+    config["draftsmith"]["proposal"] = {"depth": 3}
+    (artifact / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="config.json: its 'proposal'"):
+        drafting()
+
+
 def test_resume_continues_exactly_through_on_policy_batches(files, whole_run, tmp_path,
                                                             monkeypatch):
     whole, result = whole_run
@@ -479,14 +539,18 @@ def test_two_cpu_processes_sample_reduce_and_export(files, tmp_path):
     load_draft(str(out / "artifact"), target)
 
 
-def test_sharded_target_and_fsdp2_draft_train_the_one_process_steps(files, tmp_path):
+@pytest.mark.parametrize("frozen", [False, True], ids=["whole", "frozen-embedding"])
+def test_sharded_target_and_fsdp2_draft_train_the_one_process_steps(files, tmp_path, frozen):
     """torchrun, 2 CPU processes launched as with configs/accelerate/fsdp2.yaml, the target's
     layers sharded over both (target_parallel 2) and a fresh one-layer draft under FSDP2
     (off-policy: a sharded draft cannot sample per process): the 1-process losses, argmax
     agreement and held-out 1 - TVD (scored in lockstep), and the same draft gathered for the
-    artifact."""
+    artifact. With freeze_embedding the draft takes the whole embedding every process keeps
+    (only the layers are sharded), trains around it and leaves it out of the directory."""
     common = dict(draft="fresh:1", on_policy_ratio=0.0, max_steps=4, eval_every=0,
                   heldout_every=2, save_every=0, lr_schedule="constant")
+    if frozen:
+        common.update(freeze_embedding=True, draft_vocab_size=12)
     main(base_config(files, tmp_path / "one", **common))
     sharding.torchrun("train/distill.py", base_config(files, tmp_path / "two", target_parallel=2,
                                                       per_device_batch_size=2, **common),
@@ -499,6 +563,7 @@ def test_sharded_target_and_fsdp2_draft_train_the_one_process_steps(files, tmp_p
     whole = weights_on_disk(str(tmp_path / "one" / "artifact"))
     gathered = weights_on_disk(str(tmp_path / "two" / "artifact"))
     assert gathered.keys() == whole.keys()
+    assert frozen == (not any("embed_tokens" in k for k in whole))
     for name, tensor in whole.items():
         torch.testing.assert_close(gathered[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
 

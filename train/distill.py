@@ -149,7 +149,8 @@ class DistillConfig(LoraKeys, TrainConfig):
         100, "estimate 1 - TVD on the held-out rows every N optimizer steps, at the start and "
         "at the end (0: never)", may_change_on_resume=True)
 
-    draft_depth: int = option(6, "evaluation: most draft tokens per round",
+    draft_depth: int = option(6, "evaluation (and the artifact's default drafting, eval.draft): "
+                              "most draft tokens per round",
                               may_change_on_resume=True)
     draft_min_confidence: float = option(
         0.0, "evaluation: stop a chain after a token the draft gives less than this",
@@ -738,10 +739,7 @@ def build(cfg: DistillConfig) -> Recipe:
 
     acceptance = AcceptanceEval(
         accelerator, cfg, target,
-        lambda module: DraftModelProposer(
-            inference_model(module), max_depth=cfg.draft_depth,
-            min_confidence=cfg.draft_min_confidence, branching=cfg.draft_branching or None,
-            children=cfg.draft_children))
+        lambda module: DraftModelProposer(inference_model(module), **proposal(cfg)))
     heldout = HeldOutAcceptance(accelerator, cfg, target, heldout_rows, pad_id)
     return Recipe(cfg, accelerator, target, batches, draft, step,
                   export=partial(export, cfg, accelerator, target, kept),
@@ -768,7 +766,7 @@ def export(cfg: DistillConfig, accelerator, target: Target, kept: torch.Tensor |
                                   "divergence": cfg.divergence, "beta": cfg.beta,
                                   "temperature": cfg.temperature,
                                   "on_policy_ratio": cfg.on_policy_ratio, "lora": cfg.lora,
-                                  "steps": result.state.step})
+                                  "steps": result.state.step, "proposal": proposal(cfg)})
         module = plain
         measure = shell_command("python", "-m", "eval.bench", "--target", cfg.target, "--method",
                                 "plain", "--method", f"draft:{artifact}", "--prompts",
@@ -779,6 +777,12 @@ def export(cfg: DistillConfig, accelerator, target: Target, kept: torch.Tensor |
     close_process_group(accelerator)
     return {"step": result.state.step, "stopped": result.stopped, "artifact": artifact,
             "target": target, "draft": module}
+
+
+def proposal(cfg: DistillConfig) -> dict:
+    """How the run's evaluation drafts, recorded in the artifact as its default drafting."""
+    return {"max_depth": cfg.draft_depth, "min_confidence": cfg.draft_min_confidence,
+            "branching": cfg.draft_branching or None, "children": cfg.draft_children}
 
 
 def main(cfg: DistillConfig) -> dict:
