@@ -11,6 +11,7 @@
 #                                              | shipped-dflash | block-bench | llama-costs
 #                                              | llama-bench | llama-cross-check
 #                                              | llama-regenerate
+#                                              | peer-speculators | sweep-eagle3-axes
 #
 # Each stage is what was run, with its wall-clock on 2 cores noted beside it; the README quotes
 # the figures. Outputs go under runs/ (training) and reports/ (benchmark JSON). Every training
@@ -267,8 +268,17 @@ llama-regenerate)  # regeneration through llama-server's parallel slots against 
   "$PYTHON" scripts/regenerate_speed.py --prompts data/train/selfdistill_prompts.jsonl --num-prompts 64 \
     --max-new-tokens 128 --out reports/regenerate_speed.json
   ;;
+peer-speculators)  # speculators' EAGLE-3 trainer against the shipped recipe on the same 1500
+  # conversations, 20 minutes each (its data and hidden states counted: 438 s), then one bench on
+  # 16 Vicuna-bench prompts: 75 min in all
+  scripts/peer_speculators.sh --data data/train/selfdistill9k_answers.jsonl.gz --rows 1500 \
+    --minutes 20 --num-prompts 16 --out runs/peer20
+  ;;
+sweep-eagle3-axes)  # the EAGLE-3 axes the 7-minute sweep left out, around the same pinned recipe
+  "$PYTHON" scripts/sweep.py eagle3 --minutes 7 --points vocab2048,offline --name eagle3_axes
+  ;;
 *)
-  echo "usage: $0 prompts|regenerate|eagle|medusa|distill|bench|distill-fixed|shipped-eagle3|shipped-eagle3-bench|shipped-medusa|shipped-medusa-bench|shipped-bench|shipped-dflash|block-bench|llama-costs|llama-bench|llama-cross-check|llama-regenerate" >&2
+  echo "usage: $0 prompts|regenerate|eagle|medusa|distill|bench|distill-fixed|shipped-eagle3|shipped-eagle3-bench|shipped-medusa|shipped-medusa-bench|shipped-distill|shipped-distill-tune|shipped-distill-bench|shipped-bench|shipped-dflash|block-bench|llama-costs|llama-bench|llama-cross-check|llama-regenerate|peer-speculators|sweep-eagle3-axes" >&2
   exit 2
   ;;
 esac
