@@ -12,7 +12,7 @@
 # .meta.json; default <data>-<M>min)  --rows N (the first N conversations only)  --variants
 # "defaults ours" (speculators' runs, below)  --prompts FILE (held-out prompts;
 # data/eval/vicuna_bench_question.jsonl, never MT-bench, the test set)  --num-prompts N (all)
-# --max-new-tokens N (128)  --probe-steps N (4)  --memory-gib G (what speculators' losses may use;
+# --max-new-tokens N (128)  --probe-steps N (8)  --memory-gib G (what speculators' losses may use;
 # default what the machine has available)  --threads N (nproc)  --bench-args "..." (more
 # eval.bench flags, e.g. "--draft-dtype bf16").
 #
@@ -75,7 +75,7 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 DATA="" MINUTES="" OURS=configs/eagle/smollm2-135m.yaml OUT=runs/peer NAME="" ROWS=""
 VARIANTS="defaults ours" PROMPTS=data/eval/vicuna_bench_question.jsonl NUM_PROMPTS=""
-NEW_TOKENS=128 PROBE_STEPS=4 MEMORY_GIB="" THREADS="$(nproc)" BENCH_ARGS=""
+NEW_TOKENS=128 PROBE_STEPS=8 MEMORY_GIB="" THREADS="$(nproc)" BENCH_ARGS=""
 die() { echo "scripts/peer_speculators.sh: error: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in -h|--help) ;; *) [ $# -ge 2 ] || die "$1 needs a value" ;; esac

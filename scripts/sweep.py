@@ -14,12 +14,18 @@ Vicuna-bench (held out; MT-bench stays the test set), writes ``reports/sweep_<na
 ``reports/sweep_<name>.meta.json`` holds each point's overrides and budget record (probe, plan,
 training seconds, steps, tokens). The table printed at the end ranks the points by tau, with the
 speedup over ``hf`` measured in the same run beside it.
+
+A point ``rowsN`` (``eagle3-shipped``) trains on a seeded sample of N rows of the sweep's data,
+written beside its run (``rows.jsonl``): the same minutes over fewer distinct rows, so a small
+sample is seen for several epochs where the whole file is seen once.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import random
 import shutil
 import subprocess
 import sys
@@ -51,6 +57,12 @@ DISTILL_BASE = ["--draft", "truncate:6", "--draft_vocab_size", "none", "--freeze
                 "--data", "data/train/selfdistill_answers.jsonl",
                 "--max_length", "512", "--max_tokens_per_batch", "2048", "--on_policy_ratio", "0",
                 "--learning_rate", "3e-4", "--warmup_steps", "10", "--heldout_every", "0"]
+# the shipped EAGLE-3 head's recipe (configs/eagle/smollm2-135m.yaml when it was trained), pinned
+SHIPPED_EAGLE3 = ["--max_length", "512", "--max_tokens_per_batch", "2048", "--ttt_steps", "4",
+                  "--learning_rate", "1e-3", "--warmup_steps", "20", "--mixed_precision", "auto",
+                  "--draft_vocab_size", "4096", "--init_layer", "27",
+                  "--data", "data/train/selfdistill9k_answers.jsonl.gz"]
+SAMPLE_SEED = 0
 SWEEPS = {
     "eagle3": {
         "trainer": "eagle", "config": "configs/eagle/smollm2-135m.yaml", "base": EAGLE3_BASE,
@@ -103,6 +115,12 @@ SWEEPS = {
         },
     },
 }
+# around the shipped recipe: data size (seeded samples of its 9191 answers) and the schedule
+SWEEPS["eagle3-shipped"] = {"trainer": "eagle", "config": "configs/eagle/smollm2-135m.yaml",
+                            "base": SHIPPED_EAGLE3,
+                            "points": {"shipped": [], "rows230": {"rows": 230},
+                                       "rows1150": {"rows": 1150},
+                                       "constant-lr": ["--lr_schedule", "constant"]}}
 PREFIX = {"eagle": "eagle", "medusa": "medusa", "distill": "draft"}
 
 
@@ -115,6 +133,44 @@ def _drafting(trainer: str, config: str) -> list[str]:
     if trainer == "medusa":
         return ["--tree", "fixed", "--tree-nodes", str(values["eval_tree_nodes"])]
     return ["--draft-depth", str(values["draft_depth"])]
+
+
+def _data_of(base: list[str], config: str) -> str:
+    """The training data a sweep's points share: the last --data of its base, else the config's."""
+    given = [base[i + 1] for i, a in enumerate(base[:-1]) if a == "--data"]
+    if given:
+        return given[-1]
+    files = yaml.safe_load((REPO / config).read_text()).get("data") or []
+    if len(files) != 1:
+        raise ValueError(f"a rows point samples one data file; {config} names {files}")
+    return files[0]
+
+
+def sample_rows(source: str | Path, rows: int, out: Path, seed: int = SAMPLE_SEED) -> dict:
+    """Write a seeded sample of ``rows`` of the JSONL file ``source`` (gzip read as such) to
+    ``out``, in the file's order; the record says what was drawn from what."""
+    path = Path(source) if Path(source).is_absolute() else REPO / source
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    if not 0 < rows <= len(lines):
+        raise ValueError(f"cannot sample {rows} rows of {source}: it has {len(lines)}")
+    chosen = sorted(random.Random(seed).sample(range(len(lines)), rows))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, "".join(lines[i] if lines[i].endswith("\n") else lines[i] + "\n"
+                              for i in chosen).encode())
+    return {"rows": rows, "of": len(lines), "sampled_from": str(source), "seed": seed,
+            "file": str(out)}
+
+
+def _overrides(spec: dict, point: str, out: Path, data: str | None) -> tuple[list[str], dict]:
+    """A point's trainer overrides, and the sample it trains on (a rows point) or {}."""
+    value = spec["points"][point]
+    if isinstance(value, dict):
+        source = data if data is not None else _data_of(spec["base"], spec["config"])
+        sample = sample_rows(source, value["rows"], out.parent / f"{point}.rows.jsonl")
+        return ["--data", sample["file"]], sample
+    return list(value), {}
 
 
 def sweep(name: str, minutes: float, points: list[str] | None, data: str | None, runs: str,
@@ -140,18 +196,21 @@ def sweep(name: str, minutes: float, points: list[str] | None, data: str | None,
     for point in chosen:
         out = root / point
         done = out / "budget.json"
+        overrides, sample = _overrides(spec, point, out, data)
         if not done.is_file():
             if out.exists():  # an interrupted point of this sweep: trained again from nothing
                 shutil.rmtree(out)
             print(f"[sweep] {name}/{point}: {minutes} min", flush=True)
             command = [sys.executable, str(REPO / "scripts" / "train_budget.py"), "--minutes",
                        str(minutes), "--out", str(out), "--trainer", spec["trainer"], "--",
-                       *base, *spec["points"][point]]
+                       *base, *overrides]
             status = subprocess.run(command, cwd=REPO).returncode
             if status != 0:
                 raise ValueError(f"point {point!r} failed (exit {status}); its logs are in {out}")
-        meta["points"][point] = {"overrides": spec["points"][point],
+        meta["points"][point] = {"overrides": overrides,
                                  "budget": json.loads(done.read_text())}
+        if sample:
+            meta["points"][point]["sample"] = sample
     report = REPO / "reports" / f"sweep_{report_name}.json"
     bench = [sys.executable, "-m", "eval.bench", "--target", "smollm2-135m", "--threads",
              str(threads), "--method", "hf", *_drafting(spec["trainer"], spec["config"]),

@@ -73,7 +73,7 @@ from distill.draft import (
     save_draft,
 )
 from distill.losses import DIVERGENCES, argmax_agreement, divergence, tvd
-from eval.draft import DraftModelProposer
+from eval.draft import PROPOSAL_KEY, DraftModelProposer
 from heads.chunked_loss import next_token_mask
 from heads.command_line import run_command, shell_command
 from heads.draft_vocab import (
@@ -766,7 +766,7 @@ def export(cfg: DistillConfig, accelerator, target: Target, kept: torch.Tensor |
                                   "divergence": cfg.divergence, "beta": cfg.beta,
                                   "temperature": cfg.temperature,
                                   "on_policy_ratio": cfg.on_policy_ratio, "lora": cfg.lora,
-                                  "steps": result.state.step, "proposal": proposal(cfg)})
+                                  "steps": result.state.step, PROPOSAL_KEY: proposal(cfg)})
         module = plain
         measure = shell_command("python", "-m", "eval.bench", "--target", cfg.target, "--method",
                                 "plain", "--method", f"draft:{artifact}", "--prompts",
