@@ -7,11 +7,13 @@
 #                                              | shipped-medusa | shipped-medusa-bench
 #                                              | shipped-distill | shipped-distill-tune
 #                                              | shipped-distill-bench
-#                                              | shipped-bench
+#                                              | shipped-bench | shipped-heads-t1
 #                                              | shipped-dflash | block-bench | llama-costs
 #                                              | llama-bench | llama-cross-check
-#                                              | llama-regenerate
+#                                              | llama-regenerate | llama-bench-eagle3
 #                                              | peer-speculators | sweep-eagle3-axes
+#                                              | shipped-eagle3-trees | shipped-eagle3-tree10
+#                                              | sweep-eagle3-shipped
 #
 # Each stage is what was run, with its wall-clock on 2 cores noted beside it; the README quotes
 # the figures. Outputs go under runs/ (training) and reports/ (benchmark JSON). Every training
@@ -195,6 +197,21 @@ shipped-eagle3-bench)  # the EAGLE-3 head of shipped-eagle3 on the 80 MT-bench f
     --tree-nodes 32 --draft-dtype bf16 --prompts data/eval/mt_bench_question.jsonl \
     --num-prompts 80 --max-new-tokens 128 --temperature 0 --out reports/shipped_eagle3_tree32_t0.json
   ;;
+shipped-heads-t1)  # the shipped EAGLE-3 and Medusa-1 heads sampling at temperature 1: the first
+  # 20 MT-bench first turns, 128 tokens, trees by --tree auto (no greedy check at T > 0)
+  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf \
+    --method eagle:artifacts/smollm2-135m/eagle3 --method medusa:artifacts/smollm2-135m/medusa \
+    --tree auto --draft-dtype bf16 --prompts data/eval/mt_bench_question.jsonl --num-prompts 20 \
+    --max-new-tokens 128 --temperature 1 --seed 0 --out reports/shipped_heads_t1.json
+  ;;
+shipped-eagle3-tree10)  # the shipped EAGLE-3 head with the tree shipped-eagle3-trees found
+  # between speed and tau (depth 5, 8 children, 10 nodes: held-out tau 1.95 at 1.36x `hf`), on the
+  # 80 MT-bench first turns, 128 tokens, greedy, beside plain generate and prompt lookup
+  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf --method hf-pld \
+    --method eagle:artifacts/smollm2-135m/eagle3 --tree fixed --tree-depth 5 --tree-topk 8 \
+    --tree-nodes 10 --draft-dtype bf16 --prompts data/eval/mt_bench_question.jsonl \
+    --num-prompts 80 --max-new-tokens 128 --temperature 0 --out reports/shipped_eagle3_tree10_t0.json
+  ;;
 shipped-medusa-bench)  # the Medusa-1 heads of shipped-medusa on the 80 MT-bench first turns, 128
   # tokens, greedy, their tree by --tree auto, beside plain generate; then their held-out
   # acceptance against training minutes, from the run's own measurements
@@ -255,6 +272,18 @@ llama-bench)  # the shipped drafts served by llama.cpp itself: 20 MT-bench first
       --temperature 0 --out "reports/llama_${target_type:-q4_1}.json"
   done
   ;;
+llama-bench-eagle3)  # the shipped EAGLE-3 head (the swept recipe) served by llama.cpp, as
+  # llama-bench measured the head before it: 20 MT-bench first turns, 128 tokens, greedy, one
+  # thread per server, p-min 0.6, beside plain decoding and the best n-gram lookup
+  for target_type in "" f32; do
+    "$PYTHON" -m eval.bench --engine llama.cpp --target smollm2-135m --threads 1 \
+      ${target_type:+--gguf-target-type $target_type} \
+      --method plain --method ngram:ngram-mod --method eagle:artifacts/smollm2-135m/eagle3 \
+      --llama-draft-p-min "${P_MIN:-0.6}" \
+      --prompts data/eval/mt_bench_question.jsonl --num-prompts 20 --max-new-tokens 128 \
+      --temperature 0 --out "reports/llama_eagle3_${target_type:-q4_1}.json"
+  done
+  ;;
 llama-cross-check)  # each head's acceptance per depth in llama.cpp and in our engine, the same
   # prompts and chains (f32 target, full chains: no p-min)
   "$PYTHON" -m eval.bench --engine llama.cpp --target smollm2-135m --threads 1 \
@@ -271,8 +300,9 @@ llama-regenerate)  # regeneration through llama-server's parallel slots against 
 peer-speculators)  # speculators' EAGLE-3 trainer against the shipped recipe on the same 1500
   # conversations, 20 minutes each (its data and hidden states counted: 438 s), then one bench on
   # 16 Vicuna-bench prompts: 75 min in all
+  # (its probes timed 4 steps, the script's default then; it now times 8, as the sweeps do)
   scripts/peer_speculators.sh --data data/train/selfdistill9k_answers.jsonl.gz --rows 1500 \
-    --minutes 20 --num-prompts 16 --out runs/peer20
+    --minutes 20 --num-prompts 16 --probe-steps 4 --out runs/peer20
   ;;
 sweep-eagle3-axes)  # an EAGLE-3 axis the 7-minute sweep left out, beside its pinned recipe again
   # (the machine was slower than in that sweep). `offline` was started too and stopped: writing
@@ -280,8 +310,26 @@ sweep-eagle3-axes)  # an EAGLE-3 axis the 7-minute sweep left out, beside its pi
   # minutes, more than the 7-minute budget (and the probe writes it once more)
   "$PYTHON" scripts/sweep.py eagle3 --minutes 7 --points base,vocab2048 --name eagle3_axes
   ;;
+shipped-eagle3-trees)  # the shipped EAGLE-3 head's tau against speed as its tree grows, on 8
+  # held-out Vicuna-bench prompts, 128 tokens, greedy, each tree in a run of its own beside hf
+  # (--tree picks one tree per run): about 3 minutes a tree
+  for tree in "1 8 3" "4 8 8" "5 8 10" "5 8 12" "5 8 16"; do
+    set -- $tree
+    "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf \
+      --method eagle:artifacts/smollm2-135m/eagle3 --tree fixed --tree-depth "$1" --tree-topk "$2" \
+      --tree-nodes "$3" --draft-dtype bf16 --prompts "$HELDOUT" --num-prompts 8 \
+      --max-new-tokens 128 --temperature 0 --out "reports/shipped_eagle3_tree_d$1_k$2_n$3.json"
+  done
+  ;;
+sweep-eagle3-shipped)  # around the shipped recipe at equal wall time, 8 minutes a point: all
+  # 9191 answers (under 0.1 epoch), seeded samples of 1150 and 230 of them (about 0.6 and 3
+  # epochs), and a constant learning rate; then one bench on 16 Vicuna-bench prompts with the
+  # config's 32-node tree
+  "$PYTHON" scripts/sweep.py eagle3-shipped --minutes 8 \
+    --points shipped,rows1150,rows230,constant-lr --name eagle3_shipped
+  ;;
 *)
-  echo "usage: $0 prompts|regenerate|eagle|medusa|distill|bench|distill-fixed|shipped-eagle3|shipped-eagle3-bench|shipped-medusa|shipped-medusa-bench|shipped-distill|shipped-distill-tune|shipped-distill-bench|shipped-bench|shipped-dflash|block-bench|llama-costs|llama-bench|llama-cross-check|llama-regenerate|peer-speculators|sweep-eagle3-axes" >&2
+  echo "usage: $0 prompts|regenerate|eagle|medusa|distill|bench|distill-fixed|shipped-eagle3|shipped-eagle3-bench|shipped-medusa|shipped-medusa-bench|shipped-distill|shipped-distill-tune|shipped-distill-bench|shipped-bench|shipped-heads-t1|shipped-dflash|block-bench|llama-costs|llama-bench|llama-cross-check|llama-regenerate|llama-bench-eagle3|peer-speculators|sweep-eagle3-axes|shipped-eagle3-trees|shipped-eagle3-tree10|sweep-eagle3-shipped" >&2
   exit 2
   ;;
 esac
