@@ -16,8 +16,9 @@ training seconds, steps, tokens). The table printed at the end ranks the points 
 speedup over ``hf`` measured in the same run beside it.
 
 A point ``rowsN`` (``eagle3-shipped``) trains on a seeded sample of N rows of the sweep's data,
-written beside its run (``rows.jsonl``): the same minutes over fewer distinct rows, so a small
-sample is seen for several epochs where the whole file is seen once.
+written beside its run (``<runs>/<name>/rowsN.rows.jsonl``, the same rows on every rerun): the
+same minutes over fewer distinct rows, so a small sample is seen for several epochs where the
+whole file is seen once.
 """
 
 from __future__ import annotations
