@@ -7,7 +7,7 @@
 #                                              | shipped-medusa | shipped-medusa-bench
 #                                              | shipped-distill | shipped-distill-tune
 #                                              | shipped-distill-bench
-#                                              | shipped-bench
+#                                              | shipped-bench | shipped-heads-t1
 #                                              | shipped-dflash | block-bench | llama-costs
 #                                              | llama-bench | llama-cross-check
 #                                              | llama-regenerate | llama-bench-eagle3
@@ -197,6 +197,13 @@ shipped-eagle3-bench)  # the EAGLE-3 head of shipped-eagle3 on the 80 MT-bench f
     --tree-nodes 32 --draft-dtype bf16 --prompts data/eval/mt_bench_question.jsonl \
     --num-prompts 80 --max-new-tokens 128 --temperature 0 --out reports/shipped_eagle3_tree32_t0.json
   ;;
+shipped-heads-t1)  # the shipped EAGLE-3 and Medusa-1 heads sampling at temperature 1: the first
+  # 20 MT-bench first turns, 128 tokens, trees by --tree auto (no greedy check at T > 0)
+  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf \
+    --method eagle:artifacts/smollm2-135m/eagle3 --method medusa:artifacts/smollm2-135m/medusa \
+    --tree auto --draft-dtype bf16 --prompts data/eval/mt_bench_question.jsonl --num-prompts 20 \
+    --max-new-tokens 128 --temperature 1 --seed 0 --out reports/shipped_heads_t1.json
+  ;;
 shipped-medusa-bench)  # the Medusa-1 heads of shipped-medusa on the 80 MT-bench first turns, 128
   # tokens, greedy, their tree by --tree auto, beside plain generate; then their held-out
   # acceptance against training minutes, from the run's own measurements
@@ -314,7 +321,7 @@ sweep-eagle3-shipped)  # around the shipped recipe at equal wall time, 8 minutes
     --points shipped,rows1150,rows230,constant-lr --name eagle3_shipped
   ;;
 *)
-  echo "usage: $0 prompts|regenerate|eagle|medusa|distill|bench|distill-fixed|shipped-eagle3|shipped-eagle3-bench|shipped-medusa|shipped-medusa-bench|shipped-distill|shipped-distill-tune|shipped-distill-bench|shipped-bench|shipped-dflash|block-bench|llama-costs|llama-bench|llama-cross-check|llama-regenerate|llama-bench-eagle3|peer-speculators|sweep-eagle3-axes|shipped-eagle3-trees|shipped-eagle3-tree10|sweep-eagle3-shipped" >&2
+  echo "usage: $0 prompts|regenerate|eagle|medusa|distill|bench|distill-fixed|shipped-eagle3|shipped-eagle3-bench|shipped-medusa|shipped-medusa-bench|shipped-distill|shipped-distill-tune|shipped-distill-bench|shipped-bench|shipped-heads-t1|shipped-dflash|block-bench|llama-costs|llama-bench|llama-cross-check|llama-regenerate|llama-bench-eagle3|peer-speculators|sweep-eagle3-axes|shipped-eagle3-trees|shipped-eagle3-tree10|sweep-eagle3-shipped" >&2
   exit 2
   ;;
 esac
