@@ -24,7 +24,6 @@ whole file is seen once.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import random
 import shutil
@@ -148,19 +147,20 @@ def _data_of(base: list[str], config: str) -> str:
 
 
 def sample_rows(source: str | Path, rows: int, out: Path, seed: int = SAMPLE_SEED) -> dict:
-    """Write a seeded sample of ``rows`` of the JSONL file ``source`` (gzip read as such) to
-    ``out``, in the file's order; the record says what was drawn from what."""
+    """Write a seeded sample of ``rows`` of the usable conversations of ``source`` (read by
+    train.data, as the trainers read it) to ``out`` as messages JSONL, in the file's order; the
+    record says what was drawn from what."""
+    from train.data import read_conversations
+
     path = Path(source) if Path(source).is_absolute() else REPO / source
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        lines = [line for line in f if line.strip()]
-    if not 0 < rows <= len(lines):
-        raise ValueError(f"cannot sample {rows} rows of {source}: it has {len(lines)}")
-    chosen = sorted(random.Random(seed).sample(range(len(lines)), rows))
+    conversations, _ = read_conversations(str(path))
+    if not 0 < rows <= len(conversations):
+        raise ValueError(f"cannot sample {rows} rows of {source}: it has {len(conversations)}")
+    chosen = sorted(random.Random(seed).sample(range(len(conversations)), rows))
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, "".join(lines[i] if lines[i].endswith("\n") else lines[i] + "\n"
-                              for i in chosen).encode())
-    return {"rows": rows, "of": len(lines), "sampled_from": str(source), "seed": seed,
+    write_atomic(out, "".join(json.dumps({"messages": conversations[i]["messages"]},
+                                         ensure_ascii=False) + "\n" for i in chosen).encode())
+    return {"rows": rows, "of": len(conversations), "sampled_from": str(source), "seed": seed,
             "file": str(out)}
 
 
