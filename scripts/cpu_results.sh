@@ -197,6 +197,14 @@ shipped-eagle3-bench)  # the EAGLE-3 head of shipped-eagle3 on the 80 MT-bench f
     --tree-nodes 32 --draft-dtype bf16 --prompts data/eval/mt_bench_question.jsonl \
     --num-prompts 80 --max-new-tokens 128 --temperature 0 --out reports/shipped_eagle3_tree32_t0.json
   ;;
+shipped-eagle3-tree10)  # the shipped EAGLE-3 head with the tree shipped-eagle3-trees found
+  # between speed and tau (depth 5, 8 children, 10 nodes: held-out tau 1.95 at 1.36x `hf`), on the
+  # 80 MT-bench first turns, 128 tokens, greedy, beside plain generate and prompt lookup: 35 min
+  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf --method hf-pld \
+    --method eagle:artifacts/smollm2-135m/eagle3 --tree fixed --tree-depth 5 --tree-topk 8 \
+    --tree-nodes 10 --draft-dtype bf16 --prompts data/eval/mt_bench_question.jsonl \
+    --num-prompts 80 --max-new-tokens 128 --temperature 0 --out reports/shipped_eagle3_tree10_t0.json
+  ;;
 shipped-heads-t1)  # the shipped EAGLE-3 and Medusa-1 heads sampling at temperature 1: the first
   # 20 MT-bench first turns, 128 tokens, trees by --tree auto (no greedy check at T > 0)
   "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf \

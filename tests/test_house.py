@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -229,3 +230,20 @@ def test_a_new_method_needs_only_a_row_in_each_floors_table(skip_rows, skip_file
     by_name = {r["method"]: r for r in records}
     assert by_name[f"skip:{artifact}"]["greedy_identical"] is True
     assert by_name[f"skip:{artifact}"]["target_passes"] <= by_name["plain"]["target_passes"]
+
+
+def test_every_cpu_results_stage_named_anywhere_has_a_case():
+    """The stages scripts/cpu_results.sh names in its usage line, and the ones the README and the
+    docs quote (`cpu_results.sh <stage>`), each have a case of their own: a report must keep the
+    command that made it."""
+    repo = Path(__file__).resolve().parents[1]
+    script = (repo / "scripts" / "cpu_results.sh").read_text()
+    cases = set(re.findall(r"^([a-z0-9][a-z0-9-]*)\)", script, re.M))
+    usage = re.search(r'echo "usage: \$0 ([^"]+)"', script).group(1)
+    named = {("usage", stage) for stage in usage.split("|")}
+    for page in [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]:
+        for stage in re.findall(r"cpu_results\.sh\s+`?([a-z0-9][a-z0-9-]*)", page.read_text()):
+            named.add((page.name, stage))
+    missing = sorted((where, stage) for where, stage in named if stage not in cases)
+    assert not missing, f"stages named without a case in scripts/cpu_results.sh: {missing}"
+    assert set(usage.split("|")) == cases, "the usage line and the cases differ"
