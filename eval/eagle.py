@@ -14,6 +14,12 @@ become the next frontier. Of every child scored on the way, the ``tree_nodes`` w
 cumulative log-probability form the tree (a parent never scores below its child, so the choice is
 closed under ancestors). Children are chosen deterministically, so verification uses the
 point-mass rule and stays exact at every temperature. ``topk=1`` gives a chain.
+
+Pruning: once ``tree_nodes`` children have been scored, a frontier node scoring no higher than the
+``tree_nodes``-th best of them cannot place a descendant in the tree (a descendant scores no
+higher than its ancestor and comes later, so it loses even a tie); such nodes are not expanded,
+and the expansion stops when none is left. The tree is the one the full expansion chooses, at
+fewer head rows and often fewer head forwards (a small tree rarely needs the last depths).
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ class EagleProposer(Proposer):
         topk: int = DEFAULT_TOPK,
         tree_nodes: int = DEFAULT_TREE_NODES,
         name: str = "eagle",
+        prune: bool = True,
     ):
         for key, value in (("depth", depth), ("topk", topk), ("tree_nodes", tree_nodes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -71,6 +78,8 @@ class EagleProposer(Proposer):
         self.head = head  # its train/eval mode is left alone (trainers measure acceptance mid-run)
         self.depth, self.topk, self.tree_nodes = depth, topk, tree_nodes
         self.name = name
+        self.prune = prune  # see the module docstring; False expands every frontier node
+        self.expanded_rows = 0  # frontier rows the head has run, over the proposer's life
         self.hidden_layers = tuple(head.config.aux_layer_ids)
 
     @classmethod
@@ -155,7 +164,18 @@ class EagleProposer(Proposer):
         ancestry = torch.zeros(0, 0, dtype=torch.bool, device=device)  # tree entry x tree entry
         n_candidates = tokens.numel()
         for d in range(2, depth + 1):
+            if self.prune and n_candidates >= self.tree_nodes:
+                # the tree_nodes-th best score so far: nodes at or below it cannot place a child
+                floor = torch.cat(all_scores).topk(self.tree_nodes).values[-1]
+                alive = front_scores > floor
+                if not bool(alive.any()):
+                    break
+                if not bool(alive.all()):
+                    frontier, front_tokens = frontier[alive], front_tokens[alive]
+                    front_scores, front_hidden = front_scores[alive], front_hidden[:, alive]
+                    front_entry_parent = front_entry_parent[alive]
             m, entries = front_tokens.numel(), ancestry.shape[0]
+            self.expanded_rows += m
             # the new entries see the real prefix, their ancestors' entries and themselves
             rows = torch.zeros(m, entries + m, dtype=torch.bool, device=device)
             has_parent = front_entry_parent >= 0

@@ -387,6 +387,29 @@ def test_tree_scores_match_sequential_recomputation(engine, target, heads, versi
     assert any(not tree.is_chain for _, tree in proposer.proposals)
 
 
+@pytest.mark.parametrize("version", [1, 3])
+@pytest.mark.parametrize("shape", [dict(depth=5, topk=3, tree_nodes=6),
+                                   dict(depth=4, topk=4, tree_nodes=10)])
+@torch.no_grad()
+def test_pruned_expansion_chooses_the_same_trees_from_fewer_rows(engine, heads, greedy, version,
+                                                                 shape):
+    """Frontier nodes that cannot place a child in the tree are not expanded: every round's tree
+    (tokens, parents, scores) is the one the full expansion builds, from fewer head rows."""
+    head = heads[version]["trained"]
+    pruned, full = (Recording(head, **shape, prune=prune) for prune in (True, False))
+    rounds = 0
+    for prompt, reference in zip(PROMPTS, greedy):
+        for proposer in (pruned, full):
+            assert engine.generate(prompt, NEW_TOKENS, SamplingParams(), proposer).tokens == reference
+        assert len(pruned.proposals) == len(full.proposals)
+        for (seq_a, a), (seq_b, b) in zip(pruned.proposals, full.proposals):
+            assert seq_a == seq_b and a.tokens == b.tokens and a.parents == b.parents
+            assert a.extra["scores"] == pytest.approx(b.extra["scores"], abs=1e-12)
+        rounds += len(full.proposals)
+    assert rounds > 20
+    assert pruned.expanded_rows < full.expanded_rows
+
+
 def test_sampling_uses_the_point_mass_rule(engine, heads):
     proposer = Recording(heads[3]["trained"], **MODES["tree"])
     params = SamplingParams(temperature=0.8, top_p=0.9)
