@@ -168,6 +168,8 @@ def measure_eagle_draft_cost(proposer, target: Target, depths, topks, *,
         for _ in range(repeats + 1):
             for d, k in times:
                 proposer.depth, proposer.topk = d, k
+                # every scored child may enter the tree, so nothing is pruned: the full
+                # expansion's cost, an upper bound on a smaller tree's (see eval.eagle)
                 proposer.tree_nodes = k + (d - 1) * k * k
                 # rewind: the last ``accepted`` entries are to be caught up on again
                 crop(proposer.cache, base - accepted)
