@@ -13,7 +13,7 @@
 #                                              | llama-regenerate | llama-bench-eagle3
 #                                              | peer-speculators | sweep-eagle3-axes
 #                                              | shipped-eagle3-trees | shipped-eagle3-tree10
-#                                              | sweep-eagle3-shipped
+#                                              | sweep-eagle3-shipped | sweep-medusa-more
 #
 # Each stage is what was run, with its wall-clock on 2 cores noted beside it; the README quotes
 # the figures. Outputs go under runs/ (training) and reports/ (benchmark JSON). Every training
@@ -328,8 +328,13 @@ sweep-eagle3-shipped)  # around the shipped recipe at equal wall time, 8 minutes
   "$PYTHON" scripts/sweep.py eagle3-shipped --minutes 8 \
     --points shipped,rows1150,rows230,constant-lr --name eagle3_shipped
   ;;
+sweep-medusa-more)  # the two Medusa-1 axes the 6-minute sweep left out (a lower learning
+  # rate, a fifth head) beside its base point again, 6 minutes a point, then one bench on 16
+  # Vicuna-bench prompts with the config's 16-node tree: about 30 minutes
+  "$PYTHON" scripts/sweep.py medusa --minutes 6 --points base,lr5e-4,heads5 --name medusa_6min_more
+  ;;
 *)
-  echo "usage: $0 prompts|regenerate|eagle|medusa|distill|bench|distill-fixed|shipped-eagle3|shipped-eagle3-bench|shipped-medusa|shipped-medusa-bench|shipped-distill|shipped-distill-tune|shipped-distill-bench|shipped-bench|shipped-heads-t1|shipped-dflash|block-bench|llama-costs|llama-bench|llama-cross-check|llama-regenerate|llama-bench-eagle3|peer-speculators|sweep-eagle3-axes|shipped-eagle3-trees|shipped-eagle3-tree10|sweep-eagle3-shipped" >&2
+  echo "usage: $0 prompts|regenerate|eagle|medusa|distill|bench|distill-fixed|shipped-eagle3|shipped-eagle3-bench|shipped-medusa|shipped-medusa-bench|shipped-distill|shipped-distill-tune|shipped-distill-bench|shipped-bench|shipped-heads-t1|shipped-dflash|block-bench|llama-costs|llama-bench|llama-cross-check|llama-regenerate|llama-bench-eagle3|peer-speculators|sweep-eagle3-axes|shipped-eagle3-trees|shipped-eagle3-tree10|sweep-eagle3-shipped|sweep-medusa-more" >&2
   exit 2
   ;;
 esac
