@@ -14,6 +14,7 @@
 #                                              | peer-speculators | sweep-eagle3-axes
 #                                              | shipped-eagle3-trees | shipped-eagle3-tree10
 #                                              | sweep-eagle3-shipped | sweep-medusa-more
+#                                              | sweep-eagle3-offline
 #
 # Each stage is what was run, with its wall-clock on 2 cores noted beside it; the README quotes
 # the figures. Outputs go under runs/ (training) and reports/ (benchmark JSON). Every training
@@ -333,8 +334,19 @@ sweep-medusa-more)  # the two Medusa-1 axes the 6-minute sweep left out (a lower
   # Vicuna-bench prompts with the config's 16-node tree: about 30 minutes
   "$PYTHON" scripts/sweep.py medusa --minutes 6 --points base,lr5e-4,heads5 --name medusa_6min_more
   ;;
+sweep-eagle3-offline)  # offline features on the 230-conversation sample against the same sample
+  # online, 8 minutes each, the cache written inside the budget; rows230 is the head
+  # sweep-eagle3-shipped trained (its run linked in, so it is benchmarked, not trained, again):
+  # about 25 minutes
+  mkdir -p runs/sweep/eagle3_shipped_offline
+  if [ -d runs/sweep/eagle3_shipped/rows230 ]; then
+    ln -sfn ../eagle3_shipped/rows230 runs/sweep/eagle3_shipped_offline/rows230
+  fi
+  "$PYTHON" scripts/sweep.py eagle3-shipped --minutes 8 --points rows230,rows230-offline \
+    --name eagle3_shipped_offline
+  ;;
 *)
-  echo "usage: $0 prompts|regenerate|eagle|medusa|distill|bench|distill-fixed|shipped-eagle3|shipped-eagle3-bench|shipped-medusa|shipped-medusa-bench|shipped-distill|shipped-distill-tune|shipped-distill-bench|shipped-bench|shipped-heads-t1|shipped-dflash|block-bench|llama-costs|llama-bench|llama-cross-check|llama-regenerate|llama-bench-eagle3|peer-speculators|sweep-eagle3-axes|shipped-eagle3-trees|shipped-eagle3-tree10|sweep-eagle3-shipped|sweep-medusa-more" >&2
+  echo "usage: $0 prompts|regenerate|eagle|medusa|distill|bench|distill-fixed|shipped-eagle3|shipped-eagle3-bench|shipped-medusa|shipped-medusa-bench|shipped-distill|shipped-distill-tune|shipped-distill-bench|shipped-bench|shipped-heads-t1|shipped-dflash|block-bench|llama-costs|llama-bench|llama-cross-check|llama-regenerate|llama-bench-eagle3|peer-speculators|sweep-eagle3-axes|shipped-eagle3-trees|shipped-eagle3-tree10|sweep-eagle3-shipped|sweep-medusa-more|sweep-eagle3-offline" >&2
   exit 2
   ;;
 esac

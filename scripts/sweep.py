@@ -18,7 +18,8 @@ speedup over ``hf`` measured in the same run beside it.
 A point ``rowsN`` (``eagle3-shipped``) trains on a seeded sample of N rows of the sweep's data,
 written beside its run (``<runs>/<name>/rowsN.rows.jsonl``, the same rows on every rerun): the
 same minutes over fewer distinct rows, so a small sample is seen for several epochs where the
-whole file is seen once.
+whole file is seen once. Such a point may name more overrides (``{"rows": N, "args": [...]}``):
+``rows230-offline`` caches the sample's features inside its budget and reads them for the rest.
 """
 
 from __future__ import annotations
@@ -120,7 +121,11 @@ SWEEPS["eagle3-shipped"] = {"trainer": "eagle", "config": "configs/eagle/smollm2
                             "base": SHIPPED_EAGLE3,
                             "points": {"shipped": [], "rows230": {"rows": 230},
                                        "rows1150": {"rows": 1150},
-                                       "constant-lr": ["--lr_schedule", "constant"]}}
+                                       "constant-lr": ["--lr_schedule", "constant"],
+                                       # the sample's features cached inside the budget, then
+                                       # read for as many epochs as the rest of it allows
+                                       "rows230-offline": {"rows": 230, "args": [
+                                           "--feature_mode", "offline"]}}}
 PREFIX = {"eagle": "eagle", "medusa": "medusa", "distill": "draft"}
 
 
@@ -170,7 +175,7 @@ def _overrides(spec: dict, point: str, out: Path, data: str | None) -> tuple[lis
     if isinstance(value, dict):
         source = data if data is not None else _data_of(spec["base"], spec["config"])
         sample = sample_rows(source, value["rows"], out.parent / f"{point}.rows.jsonl")
-        return ["--data", sample["file"]], sample
+        return ["--data", sample["file"], *value.get("args", [])], sample
     return list(value), {}
 
 

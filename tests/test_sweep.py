@@ -39,6 +39,11 @@ def test_a_rows_point_samples_the_sweeps_data_the_same_way_each_time(tmp_path):
     sweep._overrides(spec, "rows7", tmp_path / "sweep" / "rows7", None)
     assert written.read_bytes() == first  # a rerun of the sweep trains on the same rows
     assert sweep._overrides(spec, "all", tmp_path / "sweep" / "all", None) == ([], {})
+    # a rows point may carry more overrides: the same rows, the overrides after the data
+    spec["points"]["rows7-offline"] = {"rows": 7, "args": ["--feature_mode", "offline"]}
+    overrides, other = sweep._overrides(spec, "rows7-offline", tmp_path / "sweep" / "x", None)
+    assert overrides == ["--data", other["file"], "--feature_mode", "offline"]
+    assert Path(other["file"]).read_bytes() == first
 
     with pytest.raises(ValueError, match="cannot sample 51 rows of .* it has 50"):
         sweep.sample_rows(source, 51, tmp_path / "too_many.jsonl")
