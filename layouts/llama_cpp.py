@@ -9,9 +9,25 @@ pinned source that comes through the package registry.
 The source is llama.cpp at commit :data:`COMMIT`, as the PyPI sdist of ``llama-cpp-python``
 (:data:`SDIST`) vendors it (``vendor/llama.cpp``): ``pip download`` fetches the sdist (its
 sha256 checked), its llama.cpp tree is unpacked into ``<cache>/llama.cpp/<commit>/src`` and only
-``llama-server`` is built (cmake + ninja, ``LLAMA_OPENSSL=OFF``, no tests, no curl) into
-``build/``, with the whole log in ``build.log`` and ``build.json`` written last, saying how long
-it took. A build that was interrupted is continued (ninja rebuilds what is missing).
+``llama-server`` and ``llama-bench`` are built (cmake + ninja, ``LLAMA_OPENSSL=OFF``, no tests, no
+curl) into ``build/``, with the whole log in ``build.log`` and ``build.json`` written last, saying
+how long it took and which instruction sets it chose. A build that was interrupted is continued
+(ninja rebuilds what is missing).
+
+The build is portable rather than ``-march=native`` (:func:`isa_options`): ggml's x86 kernels are
+enabled one instruction set at a time from what this CPU reports (AVX2, FMA, F16C, AVX512 when its
+F/CD/VL/DQ/BW parts are all there, VNNI, BF16...), and AMX never. On Xeons with AMX under a
+hypervisor, ggml's AMX tile kernels (``tinygemm_kernel_amx``, which ``-march=native`` turns on for
+the Q4/Q8 types) die with SIGILL at ``tilezero`` on the first forward although the kernel grants
+the tile permission; AMX speeds up only quantised matrix products, which draftsmith's f32
+measurements do not use. Explicit flags were chosen over ``GGML_CPU_ALL_VARIANTS`` because the
+runtime selection would pick the Sapphire Rapids variant (AMX) on the same machines, and building
+every variant multiplies the CPU backend's compile time on 2 cores.
+
+Every build ends with a smoke test (:func:`smoke_test`): the built server loads the embedded
+target's GGUF and decodes a few tokens; a server that fails it fails the build, with the signal's
+name and what to try. A ``llama-server`` the user points to (``$LLAMA_SERVER``, ``PATH``) passes
+the same test once per binary (remembered by path, size and time in the cache).
 
 The ``llama-server`` used is, in order: ``$LLAMA_SERVER``, a ``llama-server`` on ``PATH``, then the
 cache's build; :func:`find_llama_server` checks that it offers the speculative types asked for
@@ -45,6 +61,15 @@ SDIST = ("llama-cpp-python", "0.3.36")
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                  "-DLLAMA_CURL=OFF")
+BUILD_TARGETS = ("llama-server", "llama-bench")
+# ggml's x86 instruction-set switches, each on when /proc/cpuinfo reports every flag it needs
+# (ggml's GGML_AVX512 compiles with -mavx512f -mavx512cd -mavx512vl -mavx512dq -mavx512bw)
+X86_ISA = (("GGML_AVX", ("avx",)), ("GGML_AVX2", ("avx2",)), ("GGML_FMA", ("fma",)),
+           ("GGML_F16C", ("f16c",)), ("GGML_BMI2", ("bmi2",)), ("GGML_AVX_VNNI", ("avx_vnni",)),
+           ("GGML_AVX512", ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw")),
+           ("GGML_AVX512_VBMI", ("avx512vbmi",)), ("GGML_AVX512_VNNI", ("avx512_vnni",)),
+           ("GGML_AVX512_BF16", ("avx512_bf16",)))
+NEVER = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")  # SIGILL under hypervisors (above)
 BUILD_COMMAND = "make llama-cpp"  # what a user runs to build it (python -m layouts.llama_cpp build)
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")  # the converter's --outtype values a head may take
 
@@ -92,7 +117,7 @@ def find_llama_server(required: tuple[str, ...] | list[str] = ()) -> Path:
         raise FileNotFoundError(
             f"no llama-server: set LLAMA_SERVER, put llama-server on PATH, or build llama.cpp "
             f"{COMMIT} once with `{BUILD_COMMAND}` (python -m layouts.llama_cpp build, about "
-            "10-25 minutes on 2 cores)")
+            "5 minutes on 2 cores, then a smoke test)")
     where, server = candidates[0]
     if not server.is_file():
         raise FileNotFoundError(f"llama-server from {where} ({server}) does not exist")
@@ -102,6 +127,13 @@ def find_llama_server(required: tuple[str, ...] | list[str] = ()) -> Path:
             f"the llama-server from {where} ({server}) offers no --spec-type {', '.join(missing)}"
             f" (an older llama.cpp); build llama.cpp {COMMIT} with `{BUILD_COMMAND}` and unset "
             "LLAMA_SERVER, or point it at a newer build")
+    if where != "the draftsmith cache":  # the cache's build passed the smoke test when built
+        try:
+            check_server(server)
+        except ValueError as err:
+            raise ValueError(f"{err}\n(this llama-server came from {where}: point "
+                             f"LLAMA_SERVER at another build, or unset it and run "
+                             f"`{BUILD_COMMAND}`)") from err
     return server
 
 
@@ -151,30 +183,144 @@ def _fetch_source(log) -> None:
         os.makedirs(tmp)  # TemporaryDirectory removes what it made
 
 
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The instruction-set flags the CPU reports (Linux ``/proc/cpuinfo``); empty elsewhere."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return set()
+    found = re.search(r"^flags\s*:(.*)$", cpuinfo, re.MULTILINE)
+    return set(found.group(1).split()) if found else set()
+
+
+def isa_options(machine: str | None = None, flags: set[str] | None = None) -> list[str]:
+    """The cmake options that pick the CPU kernels: on x86-64, ``GGML_NATIVE=OFF`` and each
+    instruction set of :data:`X86_ISA` on or off by this CPU's flags, AMX off; elsewhere
+    llama.cpp's own default (native), which has no AMX path to trip over."""
+    machine = machine or os.uname().machine
+    if machine not in ("x86_64", "AMD64", "amd64"):
+        return []
+    flags = cpu_flags() if flags is None else flags
+    options = ["-DGGML_NATIVE=OFF"]
+    options += [f"-D{name}={'ON' if all(f in flags for f in needs) else 'OFF'}"
+                for name, needs in X86_ISA]
+    return options + [f"-D{name}=OFF" for name in NEVER]
+
+
+_SIGNAL_HINTS = {
+    "SIGILL": "the binary uses an instruction this CPU (or its hypervisor) refuses: build llama.cpp"
+              f" again with `{BUILD_COMMAND}` (a portable build, no -march=native, no AMX)",
+    "SIGSEGV": "llama.cpp crashed: a build for another CPU or a damaged model file",
+    "SIGKILL": "killed from outside, often by the kernel's out-of-memory killer",
+}
+
+
+def describe_exit(returncode: int, when: str = "") -> str:
+    """``exited with code 1`` or ``was killed by SIGILL (illegal instruction) <when>: <what to
+    try>``."""
+    when = f" {when}" if when else ""
+    if returncode >= 0:
+        return f"exited with code {returncode}{when}"
+    try:
+        sig = signal.Signals(-returncode)
+    except ValueError:
+        return f"was killed by signal {-returncode}{when}"
+    hint = _SIGNAL_HINTS.get(sig.name, "")
+    what = (signal.strsignal(sig) or sig.name).lower()
+    return f"was killed by {sig.name} ({what}){when}" + (f"; {hint}" if hint else "")
+
+
+def smoke_test(server: str | os.PathLike, *, tokens: int = 4, timeout: float = 120.0) -> dict:
+    """Load the embedded target's GGUF in ``server`` and decode ``tokens`` tokens greedily;
+    -> ``{"seconds", "tokens"}``. A server that cannot is a ValueError saying how it failed
+    (the signal's name: SIGILL is the AMX trap the portable build avoids) and what to try."""
+    from heads.target import embedded_gguf_path
+
+    model = embedded_gguf_path("smollm2-135m")
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="draftsmith-smoke-") as logs:
+        try:
+            with LlamaServer(["-m", str(model), "-c", "256", "-np", "1"], name="smoke test",
+                             threads=min(2, os.cpu_count() or 1), server=Path(server),
+                             log_dir=logs, timeout=timeout) as running:
+                answer = running.complete([1, 2, 3, 4], tokens, timeout=timeout)
+        except ValueError as err:
+            raise ValueError(f"the llama-server {server} fails its smoke test (load "
+                             f"{model.name}, decode {tokens} tokens): {err}") from err
+    got = answer.get("tokens") or []
+    if len(got) != tokens:
+        raise ValueError(f"the llama-server {server} fails its smoke test: asked for {tokens} "
+                         f"tokens, it answered {len(got)}")
+    return {"seconds": round(time.monotonic() - started, 1), "tokens": len(got)}
+
+
+def _checked_record() -> Path:
+    return cache_root() / "llama.cpp" / "smoke-tested.json"
+
+
+def _fingerprint(path: Path) -> str:
+    stat = path.stat()
+    return f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+
+
+def check_server(server: Path) -> None:
+    """Smoke-test a llama-server once per binary; a passing one is remembered in the cache."""
+    record = _checked_record()
+    try:
+        passed = set(json.loads(record.read_text()))
+    except (OSError, ValueError, TypeError):
+        passed = set()
+    key = _fingerprint(server)
+    if key in passed:
+        return
+    smoke_test(server)
+    passed.add(key)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    tmp = record.with_name(f".{record.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(sorted(passed), indent=1) + "\n")
+    os.replace(tmp, record)
+
+
 def build(jobs: int | None = None) -> Path:
-    """Build llama-server from the pinned source into the cache (or finish a build); -> its path."""
+    """Build llama-server (and llama-bench) from the pinned source into the cache, or finish a
+    build; smoke-test it; -> its path. A build that fails its smoke test is not recorded."""
     done = _built_server()
     if done is not None:
         return done
     install_dir().mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     log_path = install_dir() / "build.log"
+    isa = isa_options()
     with open(log_path, "a") as log:
         print(f"[llama.cpp] building llama-server {COMMIT} in {install_dir()} (log: {log_path})",
+              file=sys.stderr, flush=True)
+        chosen = [o[len("-DGGML_"):-len("=ON")] for o in isa if o.endswith("=ON")]
+        print(f"[llama.cpp] CPU kernels: {', '.join(chosen) or 'llama.cpp default (native)'}"
+              + (" (portable: no -march=native, no AMX)" if isa else ""),
               file=sys.stderr, flush=True)
         _fetch_source(log)
         build_dir = install_dir() / "build"
         _run(["cmake", "-S", str(source_dir()), "-B", str(build_dir), "-G", "Ninja",
-              *CMAKE_OPTIONS], log)
-        _run(["ninja", "-C", str(build_dir), f"-j{jobs or os.cpu_count() or 2}", "llama-server"],
+              *CMAKE_OPTIONS, *isa], log)
+        _run(["ninja", "-C", str(build_dir), f"-j{jobs or os.cpu_count() or 2}", *BUILD_TARGETS],
              log)
-    seconds = round(time.monotonic() - started, 1)
+    server = build_dir / "bin" / "llama-server"
+    compiled = round(time.monotonic() - started, 1)
+    print(f"[llama.cpp] built in {compiled / 60:.1f} min; smoke test: the embedded target, 4 "
+          "tokens", file=sys.stderr, flush=True)
+    try:
+        smoke = smoke_test(server)
+    except ValueError as err:
+        raise ValueError(f"{err}\nthe build is not recorded as done; the log is {log_path}") from err
     (install_dir() / "build.json").write_text(json.dumps({
         "commit": COMMIT, "source": f"{SDIST[0]}=={SDIST[1]} sdist (sha256 {SDIST_SHA256})",
-        "cmake_options": list(CMAKE_OPTIONS), "seconds": seconds,
-        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=1) + "\n")
-    print(f"[llama.cpp] llama-server built in {seconds / 60:.1f} min", file=sys.stderr)
-    return install_dir() / "build" / "bin" / "llama-server"
+        "cmake_options": list(CMAKE_OPTIONS) + isa, "cpu_kernels": chosen, "seconds": compiled,
+        "smoke_test": smoke, "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+        indent=1) + "\n")
+    print(f"[llama.cpp] llama-server built in {compiled / 60:.1f} min, smoke test passed "
+          f"({smoke['seconds']} s)", file=sys.stderr)
+    return server
 
 
 # ------------------------------------------------------------------------------------------------
@@ -281,8 +427,9 @@ class LlamaServer:
             if self.process.poll() is not None:
                 tail = self.log_tail()
                 self.stop()
-                raise ValueError(f"llama-server for {self.name} exited with code "
-                                 f"{self.process.returncode} while starting:\n{tail}")
+                raise ValueError(f"llama-server for {self.name} "
+                                 f"{describe_exit(self.process.returncode, 'while starting')}"
+                                 + (f"; its log ends:\n{tail}" if tail else ""))
             try:
                 if self._get("/health").get("status") == "ok":
                     return
@@ -329,14 +476,18 @@ class LlamaServer:
         request = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         if self.process is not None and self.process.poll() is not None:
-            raise ValueError(f"llama-server for {self.name} died:\n{self.log_tail()}")
+            raise ValueError(f"llama-server for {self.name} "
+                             f"{describe_exit(self.process.returncode)}; its log ends:\n"
+                             f"{self.log_tail()}")
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 return json.loads(response.read())
         except (OSError, ValueError) as err:
             alive = self.process is not None and self.process.poll() is None
-            raise ValueError(f"llama-server for {self.name} failed a request ({err})"
-                             + ("" if alive else f"; it died:\n{self.log_tail()}")) from err
+            died = "" if alive else (f"; it {describe_exit(self.process.returncode)}; its "
+                                     f"log ends:\n{self.log_tail()}")
+            raise ValueError(f"llama-server for {self.name} failed a request ({err}){died}") \
+                from err
 
     def rounds(self) -> list[tuple[int, int]]:
         """(accepted, drafted) of every verification round logged since the last call."""

@@ -29,9 +29,13 @@ from layouts.export import main as export_main
 from layouts.llama_cpp import (
     BUILD_COMMAND,
     LlamaServer,
+    check_server,
+    describe_exit,
     find_llama_server,
     gguf_for_target,
     install_dir,
+    isa_options,
+    smoke_test,
 )
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -314,3 +318,61 @@ def test_the_benchmark_in_llama_cpp_stops_every_server(files, tmp_path, capsys):
         bench.main([*argv[:-2], "--llama-draft-p-min", "0.5", "--out", str(tmp_path / "bad.json")])
     assert "--cross-check compares" in capsys.readouterr().err
     assert not (tmp_path / "bad.json").exists()
+
+
+# a Xeon with AMX (the machine whose -march=native build died with SIGILL) and an AVX2-only EPYC
+XEON_AMX = ("flags\t\t: fpu sse2 avx f16c fma bmi2 avx2 avx512f avx512dq avx512cd avx512bw "
+            "avx512vl avx512vbmi avx512_vnni avx512_bf16 avx_vnni amx_bf16 amx_tile amx_int8\n")
+EPYC_AVX2 = "flags\t\t: fpu sse2 avx f16c fma bmi2 avx2 avx512f\n"  # AVX512 only in part
+
+
+def test_the_build_is_portable_and_never_uses_amx():
+    from layouts.llama_cpp import cpu_flags
+
+    xeon = dict(o[2:].split("=") for o in isa_options("x86_64", cpu_flags(XEON_AMX)))
+    assert xeon["GGML_NATIVE"] == "OFF"  # no -march=native: nothing this CPU lacks, no AMX
+    assert all(xeon[k] == "OFF" for k in ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16"))
+    assert all(xeon[k] == "ON" for k in ("GGML_AVX2", "GGML_FMA", "GGML_AVX512", "GGML_AVX512_BF16",
+                                         "GGML_AVX_VNNI"))
+    epyc = dict(o[2:].split("=") for o in isa_options("x86_64", cpu_flags(EPYC_AVX2)))
+    assert epyc["GGML_AVX2"] == "ON" and epyc["GGML_AVX512"] == "OFF"  # avx512bw/vl/dq missing
+    assert epyc["GGML_AVX_VNNI"] == "OFF"
+    assert isa_options("aarch64", set()) == []  # llama.cpp's own default where AMX does not exist
+
+
+def test_a_signal_is_named_with_what_to_try():
+    assert describe_exit(1) == "exited with code 1"
+    message = describe_exit(-4)
+    assert "SIGILL" in message and BUILD_COMMAND in message and "AMX" in message
+    assert "out-of-memory" in describe_exit(-9)
+
+
+def fake_server(tmp_path, body: str):
+    """A llama-server stand-in: its --help lists the spec types, any other call runs ``body``."""
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\nif [ \"$1\" = --help ]; then echo '--spec-type "
+                    "none,draft-simple,draft-eagle3'; exit 0; fi\n" + body + "\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    return fake
+
+
+def test_the_built_server_passes_its_smoke_test_and_a_crashing_one_fails_it(server_path, tmp_path,
+                                                                          monkeypatch):
+    server, _ = server_path
+    record = json.loads((install_dir() / "build.json").read_text())
+    assert record["smoke_test"]["tokens"] == 4 and "-DGGML_AMX_TILE=OFF" in record["cmake_options"]
+    assert smoke_test(server)["tokens"] == 4
+    # a server that dies by SIGILL on its first forward, as the native AMX build did
+    crashing = fake_server(tmp_path, "kill -ILL $$")
+    with pytest.raises(ValueError, match="(?s)smoke test.*SIGILL.*make llama-cpp"):
+        check_server(crashing)
+    # pointed to by the user: refused before any benchmark starts, saying what to do
+    monkeypatch.setenv("LLAMA_SERVER", str(crashing))
+    with pytest.raises(ValueError, match="(?s)SIGILL.*point LLAMA_SERVER at another build"):
+        find_llama_server(("draft-eagle3",))
+    # a passing server is smoke-tested once, then remembered by path, size and time
+    monkeypatch.setenv("LLAMA_SERVER", str(server))
+    assert find_llama_server(("draft-eagle3",)) == server
+    calls = []
+    monkeypatch.setattr("layouts.llama_cpp.smoke_test", lambda s: calls.append(s))
+    assert find_llama_server(("draft-eagle3",)) == server and calls == []
