@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 
 from eval.block_auto import auto_block_length
+from eval.host import to_host
+from eval.kv import grown
 from eval.proposers import Proposer
 from eval.runners import (
     ARTIFACT_FIXED_OPTIONS,
@@ -78,13 +80,39 @@ class BlockProposer(Proposer):
     def _features(self, hidden) -> torch.Tensor:
         return torch.cat(list(hidden), dim=-1)  # (1, n, L * H)
 
+    def _commit(self, hidden) -> None:
+        """The draft's keys and values of the target's states ``hidden``, written after the
+        committed ones into buffers that grow by doubling (nothing is copied per round)."""
+        features = self._features(hidden)  # (1, count, L * H)
+        count = features.shape[1]
+        positions = torch.arange(self.committed, self.committed + count,
+                                 device=self.draft.device)[None]
+        new = self.draft.context(features, positions)
+        end = self.committed + count
+        if end > self.capacity:
+            self.capacity = grown(end)
+            self.buffers = [tuple(torch.cat([old[:, :, : self.committed],
+                                             old.new_zeros(*old.shape[:2],
+                                                           self.capacity - self.committed,
+                                                           old.shape[3])], dim=2)
+                                  for old in pair) for pair in self.buffers]
+        for (keys, values), (k, v) in zip(self.buffers, new, strict=True):
+            keys[:, :, self.committed: end] = k
+            values[:, :, self.committed: end] = v
+        self.committed = end
+
     @torch.no_grad()
     def start(self, prompt_ids, hidden, params, generator) -> None:
         super().start(prompt_ids, hidden, params, generator)
         n = len(prompt_ids)
-        positions = torch.arange(n, device=self.draft.device)[None]
-        self.context = self.draft.context(self._features(hidden), positions)
-        self.committed = n
+        self.capacity = grown(n)
+        shapes = self.draft.context(self._features(hidden)[:, :1],
+                                    torch.zeros(1, 1, dtype=torch.long, device=self.draft.device))
+        self.buffers = [tuple(t.new_zeros(*t.shape[:2], self.capacity, t.shape[3]) for t in pair)
+                        for pair in shapes]
+        self.committed = 0
+        self._commit(hidden)
+        self.anchor = None  # (1,) the last emitted token on the device, from the last round
 
     @torch.no_grad()
     def propose(self, seq: list[int], max_depth: int) -> DraftTree | None:
@@ -95,21 +123,24 @@ class BlockProposer(Proposer):
         p = len(seq) - 1  # the anchor's position; the context holds positions 0..p-1
         assert self.committed == p, "block draft context out of step"
         device = draft.device
-        block = torch.full((1, cfg.block_size), cfg.mask_token_id, dtype=torch.long,
-                           device=device)
-        block[0, 0] = seq[-1]
+        anchor = self.anchor
+        if anchor is None:  # the first round's: the prefill's token, once per generation
+            anchor = torch.tensor(seq[-1:], dtype=torch.long, device=device)
+        block = torch.cat([anchor.to(device), torch.full((cfg.block_size - 1,), cfg.mask_token_id,
+                                                         dtype=torch.long, device=device)])[None]
         positions = torch.arange(p, p + cfg.block_size, device=device)[None]
         allowed = torch.ones(1, cfg.block_size, p + cfg.block_size, dtype=torch.bool,
                              device=device)
-        hidden = draft.block(block, positions, self.context, allowed)[0]  # (B, H)
+        context = [(k[:, :, :p], v[:, :, :p]) for k, v in self.buffers]
+        hidden = draft.block(block, positions, context, allowed)[0]  # (B, H)
         first = 0 if cfg.sample_from_anchor else 1
-        tokens, probs = [], []
-        previous = torch.tensor(seq[-1], device=device)
+        gate = bool(cfg.confidence_head and self.min_confidence)
+        tokens, probs, confident = [], [], []
+        previous = anchor[0]
         for k in range(n):
             slot = hidden[first + k]
-            if cfg.confidence_head and self.min_confidence and \
-                    float(draft.confidence(slot, previous)) < self.min_confidence:
-                break
+            if gate:
+                confident.append(draft.confidence(slot, previous) >= self.min_confidence)
             logits = draft.logits(slot, previous if cfg.markov_rank else None)
             if self.params.greedy:
                 choice = logits.argmax()
@@ -118,11 +149,15 @@ class BlockProposer(Proposer):
                 choice = torch.multinomial(q, 1, generator=self.generator)[0]
                 probs.append(self._on_target_vocab(q))
             token = draft.draft_to_target(choice)
-            tokens.append(int(token))
+            tokens.append(token)
             previous = token
-        if not tokens:
+        keep = n
+        if gate:  # a block stops at its first unconfident slot: one read of the block's gates
+            keep = next((i for i, ok in enumerate(to_host(torch.stack(confident))) if not ok),
+                        n)
+        if keep == 0:
             return None
-        return DraftTree.chain(tokens, probs or None)
+        return DraftTree.chain(torch.stack(tokens[:keep]).reshape(keep), probs[:keep] or None)
 
     def _on_target_vocab(self, q: torch.Tensor) -> torch.Tensor:
         """A distribution over the draft rows as one over the target's vocabulary."""
@@ -136,14 +171,8 @@ class BlockProposer(Proposer):
     @torch.no_grad()
     def observe(self, seq, tree, path, hidden) -> None:
         # hidden: the target's states at the old root and the accepted nodes, now committed
-        features = self._features(hidden)  # (1, 1 + len(path), L * H)
-        count = features.shape[1]
-        positions = torch.arange(self.committed, self.committed + count,
-                                 device=self.draft.device)[None]
-        new = self.draft.context(features, positions)
-        self.context = [(torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2))
-                        for (k, v), (nk, nv) in zip(self.context, new, strict=True)]
-        self.committed += count
+        self._commit(hidden)
+        self.anchor = tree.verified[1]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,7 +22,9 @@ from pathlib import Path
 import torch
 
 from distill.draft import read_draft_info
-from eval.kv import keep_tree_path, new_cache
+from eval.forward import model_forward
+from eval.host import to_host
+from eval.kv import compact
 from eval.proposers import Proposer
 from eval.runners import BuildContext, EngineMethod, OptionFlag, int_at_least, parse_probability
 from eval.sampling import warp
@@ -30,7 +32,7 @@ from eval.tree import DraftTree
 from heads.artifact import DRAFT_INFO_KEY
 from heads.command_line import run_command
 from heads.output_dir import write_atomic
-from heads.target import tree_attention_mask
+from heads.target import attention_bias
 from layouts.draft import export_layout
 from layouts.files import ExportOptions
 
@@ -38,20 +40,27 @@ from layouts.files import ExportOptions
 class DraftModelProposer(Proposer):
     """A small causal LM sharing the target's vocabulary, drafting a chain or a static tree.
 
-    Chain (``branching`` None): up to ``max_depth`` tokens, stopping early once the draft's
-    probability of the token it just proposed falls below ``min_confidence`` (later tokens would
-    rarely survive verification). Tree: ``branching[d]`` children under every node of depth d,
-    either the draft's top-k (``children="topk"``, verified with the deterministic-children rule)
-    or k i.i.d. samples from its warped distribution (``children="sample"``, SpecInfer's rule);
-    the draft expands one whole depth per forward with a tree attention mask over its own cache.
-    At temperature 0 tokens are the draft's argmax / top-k.
+    Chain (``branching`` None): up to ``max_depth`` tokens, cut after the first token the draft
+    gives less than ``min_confidence`` (later tokens would rarely survive verification). Tree:
+    ``branching[d]`` children under every node of depth d, either the draft's top-k
+    (``children="topk"``, verified with the deterministic-children rule) or k i.i.d. samples from
+    its warped distribution (``children="sample"``, SpecInfer's rule); the draft expands one whole
+    depth per forward with a tree attention mask over its own cache. At temperature 0 tokens are
+    the draft's argmax / top-k.
+
+    Everything stays on the device: the tokens a step drafts feed the next step as tensors, a
+    static tree's form (parents, mask) is built once, and the accepted entries of the draft's
+    cache are kept by a device index. A chain is drafted to its full depth and cut afterwards,
+    with one read of its confidences (only when ``min_confidence`` > 0): a serving engine drafts
+    a fixed number of tokens too, and stopping at each token would read the device every step.
+    ``compile``: the draft's forward is compiled (:mod:`eval.forward`).
     """
 
     name = "draft"
 
     def __init__(self, model, *, max_depth: int = 6, min_confidence: float = 0.4,
                  branching: list[int] | None = None, children: str = "topk",
-                 name: str = "draft"):
+                 name: str = "draft", compile: bool = False):
         if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 1:
             raise ValueError(f"max_depth must be an integer >= 1, got {max_depth!r}")
         if not 0.0 <= min_confidence <= 1.0:  # NaN fails too
@@ -66,106 +75,160 @@ class DraftModelProposer(Proposer):
         self.branching = list(branching) if branching is not None else None
         self.children = children
         self.name = name
+        self.compile = compile
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self._forms: dict[tuple[int, ...], StaticForm] = {}
 
     def start(self, prompt_ids, hidden, params, generator) -> None:
         super().start(prompt_ids, hidden, params, generator)
-        self.cache = new_cache(self.model)
+        self.forward = model_forward(self.model, role="draft", compile=self.compile)
+        self.cache = self.forward.take_cache(self)
         self.cached: list[int] = []  # tokens on the accepted sequence the draft cache holds
         self.base = 0
-        self.fed: list[int] = []  # tree nodes whose entries follow the first ``base`` ones
+        self.fed_depths = 0  # tree depths whose nodes have entries after the first ``base``
+        self.pending: torch.Tensor | None = None  # (m,) accepted tokens without an entry yet
 
-    def _forward(self, tokens: list[int], **kwargs) -> torch.Tensor:
-        return self.model(
-            input_ids=torch.tensor([tokens], device=self.device), cache=self.cache,
-            use_cache=True, **kwargs,
-        ).logits[0]  # (len(tokens) or kept, vocab)
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, *,
+                 last: bool = False) -> torch.Tensor:
+        """The draft over ``ids`` (q,) at ``positions`` (q,) -> logits (q, vocab) (the last row
+        alone, eagerly, with ``last``: a prompt). ``mask`` (q, k) bool: what the new entries see
+        of the last k entries (the new ones last); every earlier entry is seen."""
+        past = self.cache.length
+        q, k = mask.shape
+        full = torch.ones(q, past + q, dtype=torch.bool, device=self.device)
+        full[:, past + q - k:] = mask
+        out = self.forward(
+            torch.arange(past, past + q, device=self.device), eager=last,
+            input_ids=ids[None], position_ids=positions[None],
+            attention_mask=attention_bias(full, self.dtype)[None, None],
+            logits_to_keep=1 if last else 0)
+        self.cache.set_length(past + q)
+        return out.logits[0]
 
     @torch.no_grad()
     def propose(self, seq: list[int], max_depth: int) -> DraftTree | None:
+        self.forward.check_owner(self)
         depth = min(self.max_depth, max_depth)
         if depth < 1:
             return None
-        feed = seq[len(self.cached):]
-        logits = self._forward(feed, logits_to_keep=1)[-1]  # (vocab,) at the root
-        self.cached.extend(feed)
+        held = len(self.cached)
+        if self.pending is None:  # the prompt and the first token: once per generation
+            feed = torch.tensor(seq[held:], dtype=torch.long, device=self.device)
+        else:
+            feed = self.pending
+        q = feed.shape[0]
+        causal = torch.ones(q, q, dtype=torch.bool, device=self.device).tril()
+        positions = torch.arange(held, held + q, device=self.device)
+        # (vocab,) at the root; the prompt (the first feed) eagerly, keeping its last row only
+        logits = self._forward(feed, causal, positions, last=self.pending is None)[-1]
+        self.cached = list(seq)
         self.base = len(seq)  # the draft cache now holds all of seq
-        self.fed = []
+        self.pending = None
         if self.branching is None:
             return self._chain(logits, depth)
         return self._tree(logits, depth)
 
     def _chain(self, logits: torch.Tensor, depth: int) -> DraftTree:
-        tokens: list[int] = []
-        probs: list[torch.Tensor] = []
+        tokens, probs, confidence = [], [], []
+        one = torch.ones(1, 1, dtype=torch.bool, device=self.device)
         for d in range(depth):
             if self.params.greedy:
-                tok = int(logits.argmax())
-                confidence = (
-                    float(torch.softmax(logits.float(), -1)[tok]) if self.min_confidence > 0 else 1.0
-                )
+                token = logits.argmax()
+                confidence.append(torch.softmax(logits.float(), -1)[token])
             else:
                 q = warp(logits, self.params)
-                tok = int(torch.multinomial(q, 1, generator=self.generator))
+                token = torch.multinomial(q, 1, generator=self.generator)[0]
                 probs.append(q)
-                confidence = float(q[tok])
-            tokens.append(tok)
-            if d == depth - 1 or confidence < self.min_confidence:
+                confidence.append(q[token])
+            tokens.append(token)
+            if d == depth - 1:
                 break
-            logits = self._forward([tok], logits_to_keep=1)[-1]
-            self.fed.append(len(tokens))
-        return DraftTree.chain(tokens, probs or None)
+            logits = self._forward(token.view(1), one, torch.full(
+                (1,), self.base + d, dtype=torch.long, device=self.device))[-1]
+        self.fed_depths = len(tokens) - 1
+        keep = len(tokens)
+        if self.min_confidence > 0 and len(tokens) > 1:
+            low = to_host(torch.stack(confidence[:-1]) < self.min_confidence)
+            keep = next((i + 1 for i, below in enumerate(low) if below), keep)
+        return DraftTree.chain(torch.stack(tokens[:keep]), probs[:keep] or None)
 
     def _tree(self, root_logits: torch.Tensor, depth: int) -> DraftTree:
-        tokens: list[int] = []
-        parents: list[int] = []
-        draft_probs: dict[int, torch.Tensor] = {}
-        ancestors: dict[int, list[int]] = {0: []}  # node -> its tree ancestors (root excluded)
-        frontier = [(0, root_logits)]
         sample = self.children == "sample" and not self.params.greedy
-        for d in range(depth):
-            k = self.branching[d]
-            grown: list[int] = []
-            for node, logits in frontier:
-                if sample:
-                    q = warp(logits, self.params)
-                    kids = torch.multinomial(q, k, replacement=True, generator=self.generator)
-                    draft_probs[node] = q
-                else:
-                    kids = torch.topk(logits, min(k, logits.shape[-1])).indices
-                for tok in kids.tolist():
-                    tokens.append(tok)
-                    parents.append(node)
-                    grown.append(len(tokens))
-                    ancestors[len(tokens)] = ancestors[node] + [len(tokens)]
+        vocab = root_logits.shape[-1]
+        branching = tuple(k if sample else min(k, vocab) for k in self.branching[:depth])
+        if branching not in self._forms:
+            self._forms[branching] = StaticForm(list(branching), self.device)
+        form = self._forms[branching]
+        draft_probs: dict[int, torch.Tensor] = {}
+        level_tokens = []
+        logits = root_logits[None]  # (frontier, vocab) in node order
+        for d, k in enumerate(branching):
+            if sample:
+                q = warp(logits, self.params)  # (frontier, V)
+                kids = torch.multinomial(q, k, replacement=True, generator=self.generator)
+                for row, node in enumerate(form.levels[d]):
+                    draft_probs[node] = q[row]
+            else:
+                kids = torch.topk(logits, k, dim=-1).indices
+            grown = kids.reshape(-1)  # (frontier * k,) the next depth's tokens, in node order
+            level_tokens.append(grown)
             if d == depth - 1:
                 break
             # one draft forward over the whole new depth: each node sees the accepted sequence
             # and its own tree ancestors (already in the draft cache) plus itself
-            fed_at = {n: i for i, n in enumerate(self.fed + grown)}
-            allowed = torch.zeros(len(grown), len(fed_at), dtype=torch.bool)
-            for row, n in enumerate(grown):
-                allowed[row, [fed_at[a] for a in ancestors[n]]] = True
-            mask = tree_attention_mask(allowed, self.base, self.dtype, self.device)
-            positions = torch.full((1, len(grown)), self.base + d, device=self.device)
-            out = self._forward([tokens[n - 1] for n in grown], attention_mask=mask,
-                                position_ids=positions)
-            self.fed.extend(grown)
-            frontier = list(zip(grown, out))
-        return DraftTree(tokens, parents, draft_probs)
+            logits = self._forward(grown, form.fed_masks[d], form.positions[d] + self.base)
+        self.fed_depths = depth - 1
+        tokens = torch.cat(level_tokens)
+        return DraftTree.from_tensors(tokens, form.parents, depth_bound=depth,
+                                      ancestors=form.ancestors, depths=form.depths,
+                                      draft_probs=draft_probs, host_parents=form.host_parents)
 
     def observe(self, seq, tree, path, hidden) -> None:
-        # the cache holds seq[:base] then the fed tree nodes; keep the accepted ones, in order
-        fed_at = {n: i for i, n in enumerate(self.fed)}
-        keep = []
-        for node in path:
-            if node not in fed_at:
-                break
-            keep.append(fed_at[node])
-        keep_tree_path(self.cache, self.base, keep)
-        self.cached = self.cached[: self.base] + [tree.tokens[n - 1] for n in path[: len(keep)]]
-        self.fed = []
+        # the cache holds seq[:base], then the nodes of the first fed_depths depths in node order
+        # (node i at offset i - 1): keep the accepted ones, in order
+        keep, root = tree.verified
+        fed = min(len(path), self.fed_depths)
+        compact(self.cache, self.base, keep[1: 1 + fed] - 1, fed)
+        self.cached = self.cached[: self.base] + seq[self.base: self.base + fed]
+        tokens = tree.device(self.device).tokens
+        self.pending = torch.cat([tokens[keep[1 + fed:] - 1], root.to(self.device)])
+
+
+class StaticForm:
+    """A static tree's form on the device, made once per branching: node numbers level by level,
+    the parents, ancestors and depths of the whole tree, and for every level but the last the
+    mask of its draft forward (its nodes against the nodes fed before them and themselves) and
+    its positions (depth - 1 after the accepted sequence)."""
+
+    def __init__(self, branching: list[int], device):
+        parents: list[int] = []
+        levels: list[list[int]] = []
+        frontier = [0]
+        for k in branching:
+            grown = []
+            for node in frontier:
+                for _ in range(k):
+                    parents.append(node)
+                    grown.append(len(parents))
+            levels.append(frontier)
+            frontier = grown
+        self.levels = levels  # the nodes whose children each depth holds
+        self.host_parents = parents
+        host = DraftTree([0] * len(parents), parents)
+        ancestors = host.ancestor_mask()
+        self.parents = torch.tensor(parents, dtype=torch.long, device=device)
+        self.ancestors = ancestors.to(device)
+        self.depths = torch.tensor(host.depths, dtype=torch.long, device=device)
+        self.fed_masks, self.positions = [], []
+        first = 1
+        for d in range(len(branching) - 1):
+            count = len(levels[d]) * branching[d]
+            nodes = list(range(first, first + count))
+            # fed so far: nodes 1 .. first + count - 1, in order
+            self.fed_masks.append(ancestors[nodes][:, 1: first + count].to(device))
+            self.positions.append(torch.full((count,), d, dtype=torch.long, device=device))
+            first += count
 
 
 def parse_branching(text: str) -> list[int]:
@@ -197,7 +260,7 @@ DRAFT_FLAGS = (
                "draft trees: topk (the draft's best, point-mass rule) or sample (i.i.d. "
                "samples, SpecInfer's rule; greedy at temperature 0)"),
 )
-DRAFT_FIXED_OPTIONS = {"name": "the method's name on the command line"}
+DRAFT_FIXED_OPTIONS = {"name": "the method's name on the command line", "compile": "--compile"}
 
 
 PROPOSAL_KEY = "proposal"
@@ -232,7 +295,7 @@ def build_draft(arg: str, name: str, ctx: BuildContext) -> EngineMethod:
     """``draft:<dir|truncate:N>``, drafting as :func:`draft_options` says."""
     options = draft_options(arg, ctx.kind_options("draft"))
     try:
-        proposer = DraftModelProposer(ctx.draft(arg), name=name, **options)
+        proposer = DraftModelProposer(ctx.draft(arg), name=name, compile=ctx.compile, **options)
     except ValueError as err:
         raise ValueError(f"{name!r} drafting with {options}: {err}") from err
     used = {k: v for k, v in options.items() if k not in ctx.kind_options("draft")}

@@ -5,6 +5,22 @@ last one (the root of the next tree), and nothing else. A round feeds [root, tre
 4-D tree attention mask and per-node position ids through the target's own transformers modules,
 applies the exact acceptance rule, and keeps only the accepted path in the cache. Plain decoding
 is the same loop with an empty tree, so every method is measured through identical code.
+
+A round is built to cost what a serving engine's does (docs/evaluator.md, "The engine"):
+
+* the caches are preallocated (:mod:`eval.kv`): the target writes into named slots, the accepted
+  path is compacted in place from a device index, and cropping moves a length pointer;
+* the tree, its positions and mask, the acceptance (greedy and sampled, chain and tree) and the
+  gathers of accepted rows stay on the target's device; the round's one read on the host is the
+  accepted path and the next token (:class:`eval.acceptance.TreeOutcome`), through
+  :func:`eval.host.to_host`, whose reads the benchmark counts per round;
+* the target's attention reads the cache as it is, without copies per layer
+  (:mod:`eval.attention`), and with ``compile=True`` the verification forward is compiled
+  (:mod:`eval.forward`), two graphs for every tree size and context length.
+
+Every round's tree size, context length and wall time are kept (``Generation.rounds``): the cost
+model behind ``--tree auto`` is fitted to rounds like these, and the report compares what it
+predicts for the rounds that ran with how long they took.
 """
 
 from __future__ import annotations
@@ -14,12 +30,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eval.acceptance import DepthCounts, verify_chain, verify_chain_greedy, verify_tree
-from eval.kv import keep_tree_path, new_cache
+from eval.acceptance import (
+    DepthCounts,
+    TreeOutcome,
+    chain_outcome,
+    verify_chain,
+    verify_chain_greedy,
+    verify_tree,
+)
+from eval.forward import model_forward
+from eval.host import host_reads, to_host
+from eval.kv import compact
 from eval.proposers import Proposer
 from eval.sampling import SamplingParams, warp
 from eval.tree import DraftTree
-from heads.target import Target, tree_attention_mask
+from heads.target import Target, attention_bias
 
 
 @dataclass
@@ -34,6 +59,9 @@ class Generation:
     accepted_lengths: list[int] = field(default_factory=list)  # accepted draft tokens per round
     stop_reason: str = "length"
     seconds: float = 0.0
+    # every decoding round: (tree nodes, tokens already in the target's cache, seconds)
+    rounds: list[tuple[int, int, float]] = field(default_factory=list)
+    host_reads: int = 0  # device values read on the host while decoding (eval.host)
     # with record_logits: the target's logits (vocab,) behind each emitted token, float32 on the
     # CPU (what the greedy-equality report reads at a first differing position)
     logits: list[torch.Tensor] | None = None
@@ -66,6 +94,8 @@ class DecodeState:
     max_new_tokens: int
     stop_at_eos: bool
     started: float
+    root: torch.Tensor | None = None  # (1,) the last emitted token, on the target's device
+    round_started: float = 0.0
 
     @property
     def done(self) -> bool:
@@ -97,14 +127,43 @@ def check_prompt(prompt_ids, max_new_tokens: int, vocab_size: int, max_context: 
     return prompt
 
 
-class SpeculativeEngine:
-    """Batch size 1 speculative decoding against a frozen target."""
+def verification_inputs(root: torch.Tensor, dev, past: int, dtype: torch.dtype
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The verification forward's tensors on the device: ids (1, n + 1) = [root, nodes],
+    positions (1, n + 1), the additive mask (1, 1, n + 1, past + n + 1) (every node sees the
+    cached prefix, itself and its ancestors) and the cache slots (n + 1,)."""
+    n = dev.tokens.shape[0]
+    device = dev.tokens.device
+    ids = torch.cat([root, dev.tokens]).unsqueeze(0)
+    slots = torch.arange(past, past + n + 1, device=device)
+    positions = (dev.depths + past).unsqueeze(0)
+    mask = torch.zeros(1, 1, n + 1, past + n + 1, dtype=dtype, device=device)
+    if n:
+        mask[0, 0, :, past:] = attention_bias(dev.ancestors, dtype)
+    return ids, positions, mask, slots
 
-    def __init__(self, target: Target):
+
+class SpeculativeEngine:
+    """Batch size 1 speculative decoding against a frozen target (see the module docstring).
+
+    ``compile``: compile the target's verification forward (and, where they take it, the
+    proposers' drafts: :mod:`eval.forward`); the time compiling takes is :attr:`compile_seconds`,
+    never part of a generation's ``seconds`` once warmed up.
+    """
+
+    def __init__(self, target: Target, *, compile: bool = False):
         self.target = target
         self.model = target.model
         self.device = target.device
         self.eos = set(target.eos_token_ids)
+        self.compile = compile
+        self.forward = model_forward(self.model, compile=compile)
+        self._empty = DraftTree([], [])  # plain decoding's tree, copied to the device once
+        self._empty.device(self.device)
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.forward.compile_seconds
 
     @torch.no_grad()
     def generate(self, *args, **kwargs) -> Generation:
@@ -142,52 +201,76 @@ class SpeculativeEngine:
                 generator.seed()
         layers = tuple(proposer.hidden_layers)
         started = time.perf_counter()
-        cache = new_cache(self.model)
-        out = self.model(
-            input_ids=torch.tensor([prompt], device=self.device), cache=cache, use_cache=True,
-            logits_to_keep=1, output_hidden_states=bool(layers),
-        )
-        first = self._pick(out.logits[0, -1], params, generator)
-        gen = Generation(tokens=[first], prompt_len=len(prompt))
-        if record_logits:
-            gen.logits = [out.logits[0, -1].float().cpu()]
+        gen = Generation(tokens=[], prompt_len=len(prompt))
         state = DecodeState(
-            seq=prompt + [first], cache=cache, gen=gen,
-            params=params, proposer=proposer, generator=generator, layers=layers,
-            max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos, started=started,
-        )
+            seq=list(prompt), cache=None, gen=gen, params=params, proposer=proposer,
+            generator=generator, layers=layers, max_new_tokens=max_new_tokens,
+            stop_at_eos=stop_at_eos, started=started)
+        state.cache = self.forward.take_cache(state)
+        self.forward.cache.reserve(len(prompt) + max_new_tokens + 1)
+        n = len(prompt)
+        device = self.device
+        causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        mask = attention_bias(causal, self.target.dtype)[None, None]
+        out = self.forward(
+            torch.arange(n, device=device), eager=True,
+            input_ids=torch.tensor([prompt], device=device), position_ids=torch.arange(
+                n, device=device)[None], attention_mask=mask, output_hidden_states=bool(layers),
+            logits_to_keep=1)
+        state.cache.set_length(n)
+        last = out.logits[0, -1]
+        first = self._pick(last, params, generator)  # (1,) on the device
+        gen.tokens = to_host(first)
+        state.seq.append(gen.tokens[0])
+        state.root = first
+        if record_logits:
+            gen.logits = [last.float().cpu()]
         proposer.start(prompt, [out.hidden_states[i] for i in layers] if layers else None,
                        params, generator)
-        if stop_at_eos and first in self.eos:
-            state.gen.stop_reason = "eos"
+        if stop_at_eos and gen.tokens[0] in self.eos:
+            gen.stop_reason = "eos"
+        state.round_started = time.perf_counter()
         return state
 
     @torch.no_grad()
     def step(self, state: DecodeState) -> list[int]:
-        """One round: propose, verify in one target forward, accept, compact caches."""
+        """One round: propose, verify in one target forward, accept, compact the caches."""
+        self.forward.check_owner(state)
         gen, seq, proposer, params = state.gen, state.seq, state.proposer, state.params
+        reads = host_reads()
         remaining = state.max_new_tokens - len(gen.tokens)
         past = len(seq) - 1
         # a round always emits one target token after the accepted ones: depth <= remaining - 1
         tree = proposer.propose(seq, remaining - 1) if remaining > 1 else None
         if tree is None or len(tree) == 0:
-            tree = DraftTree([], [])
-        logits, hidden = self._verify_forward(seq[-1], tree, past, state.cache, state.layers)
+            tree = self._empty
+        dev = tree.device(self.device)
+        ids, positions, mask, slots = verification_inputs(state.root, dev, past,
+                                                          self.target.dtype)
+        out = self.forward(slots, input_ids=ids, position_ids=positions, attention_mask=mask,
+                           output_hidden_states=bool(state.layers))
+        logits = out.logits[0]  # (n + 1, V)
         # a proposer may bring its own, explicitly inexact, acceptance rule (Medusa's typical
         # acceptance); such runs are flagged ``exact = False`` and never reported as exact
         lossy = getattr(proposer, "lossy_verify", None)
         if lossy is not None and len(tree):
             outcome = lossy(tree, logits, params, state.generator)
-            path, nxt, tried = outcome.path, outcome.next_token, outcome.tried_depths
         else:
-            path, nxt, tried = self._accept(tree, logits, params, state.generator)
+            outcome = self._accept(tree, logits, params, state.generator)
+        if not isinstance(outcome, TreeOutcome):  # (path, next token, tried depths) on the host
+            outcome = TreeOutcome(*outcome)
+        path, nxt = outcome.path, outcome.next_token  # the round's read on the host
         gen.target_passes += 1
         gen.proposed += len(tree)
-        gen.acceptance.add_round([tree.depths[c] for c in path], tried)
+        gen.acceptance.add_round(range(1, len(path) + 1), outcome.tried_depths)
         gen.accepted_lengths.append(len(path))
-        keep_tree_path(state.cache, past, [0] + path)
+        keep = outcome.keep_index(self.device)
+        compact(state.cache, past, keep, len(path) + 1)
 
-        new = [tree.tokens[c - 1] for c in path] + [nxt]
+        path_tokens = outcome.path_tokens
+        if path_tokens is None:
+            path_tokens = [tree.tokens[c - 1] for c in path]
+        new = list(path_tokens) + [nxt]
         assert len(new) <= remaining, "a proposer exceeded its depth budget"
         if state.stop_at_eos:
             for i, tok in enumerate(new):
@@ -200,49 +283,40 @@ class SpeculativeEngine:
             gen.logits.extend(logits[rows].float().cpu().unbind(0))
         gen.tokens.extend(new)
         seq.extend(new)
+        state.root = outcome.next_token_tensor(self.device)
         if not state.done:
-            rows = [0] + path
-            proposer.observe(seq, tree, path, [h[:, rows] for h in hidden] if hidden else None)
+            tree.verified = (keep, state.root)
+            hidden = ([out.hidden_states[i][:, keep] for i in state.layers]
+                      if state.layers else None)
+            proposer.observe(seq, tree, path, hidden)
+        gen.host_reads += host_reads() - reads
+        now = time.perf_counter()
+        gen.rounds.append((len(tree), past, now - state.round_started))
+        state.round_started = now
         return new
 
-    def _pick(self, logits: torch.Tensor, params: SamplingParams, generator) -> int:
+    def _pick(self, logits: torch.Tensor, params: SamplingParams, generator) -> torch.Tensor:
+        """(V,) logits -> (1,) token on the device."""
         if params.greedy:
-            return int(logits.argmax())
-        return int(torch.multinomial(warp(logits, params), 1, generator=generator))
+            return logits.argmax().view(1)
+        return torch.multinomial(warp(logits, params), 1, generator=generator)
 
-    def _verify_forward(self, root: int, tree: DraftTree, past: int, cache, layers):
-        """One target forward over [root] + tree nodes -> logits (n+1, V), hidden states."""
-        ids = torch.tensor([[root, *tree.tokens]], device=self.device)
-        kwargs = {}
-        if not tree.is_chain:
-            kwargs["attention_mask"] = tree_attention_mask(
-                tree.ancestor_mask(), past, self.target.dtype, self.device)
-            kwargs["position_ids"] = torch.tensor([[past + d for d in tree.depths]], device=self.device)
-        out = self.model(
-            input_ids=ids, cache=cache, use_cache=True, output_hidden_states=bool(layers), **kwargs
-        )
-        hidden = [out.hidden_states[i] for i in layers] if layers else None
-        return out.logits[0], hidden
-
-    def _accept(self, tree: DraftTree, logits: torch.Tensor, params, generator):
-        """-> accepted path (node indices), next token, depths at which a child was tested."""
-        k = len(tree)
-        if k == 0:
-            return [], self._pick(logits[0], params, generator), []
-        if not tree.is_chain:
-            outcome = verify_tree(tree, logits, params, generator)
-            return outcome.path, outcome.next_token, outcome.tried_depths
-        draft = torch.tensor([tree.tokens], device=logits.device)
-        if params.greedy:
-            acc, nxt = verify_chain_greedy(draft, logits.unsqueeze(0))
-        else:
-            draft_probs = tree.chain_draft_probs()
-            acc, nxt = verify_chain(
-                draft, warp(logits, params).unsqueeze(0),
-                None if draft_probs is None else draft_probs.unsqueeze(0), generator,
-            )
-        accepted = int(acc)
-        return list(range(1, accepted + 1)), int(nxt), list(range(1, min(accepted + 1, k) + 1))
+    def _accept(self, tree: DraftTree, logits: torch.Tensor, params, generator) -> TreeOutcome:
+        """The exact rule for this tree, on the device (a host outcome from a rule that
+        computes on the host is used as it is)."""
+        if len(tree) and tree.is_chain:
+            dev = tree.device(logits.device)
+            draft = dev.tokens.unsqueeze(0)
+            if params.greedy:
+                acc, nxt = verify_chain_greedy(draft, logits.unsqueeze(0))
+            else:
+                draft_probs = tree.chain_draft_probs()
+                acc, nxt = verify_chain(
+                    draft, warp(logits, params).unsqueeze(0),
+                    None if draft_probs is None else draft_probs.unsqueeze(0), generator,
+                )
+            return chain_outcome(acc[0], nxt[0], dev.tokens)
+        return verify_tree(tree, logits, params, generator)
 
 
 def measure_acceptance(target: Target, proposer: Proposer, prompts: list[list[int]],

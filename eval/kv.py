@@ -1,58 +1,248 @@
-"""KV-cache bookkeeping: after verification, only the accepted path may remain in a cache.
+"""KV caches the engine verifies into: preallocated, one buffer per layer, a length pointer.
 
-Works on transformers' ``DynamicCache`` (one ``DynamicLayer`` per decoder layer, keys and values
-shaped (batch, kv_heads, seq, head_dim)). Caches that drop old entries (sliding windows) or store
-them quantised cannot be compacted in place and are refused with a clear error.
+:class:`StaticCache` is a transformers ``Cache`` whose layers hold keys and values in buffers of a
+fixed capacity, (batch, kv_heads, capacity, head_dim), allocated at the first write and reused by
+every later generation of the same engine. A length pointer says how many entries are real.
+
+* Cropping is setting the pointer (:func:`crop`): nothing is copied or freed.
+* The accepted path of a verified tree is compacted in place (:func:`compact`): one indexed
+  read and one indexed write per buffer, from a device index, so no value comes to the host.
+* Two ways to write. Called like any transformers cache (``model(..., cache=cache)``), a layer
+  appends its new entries at the pointer and returns views of its real entries, as
+  ``DynamicCache`` does; the tests and transformers' own ``generate`` use it so. The engine
+  instead names the slots to write (:attr:`StaticCache.slots`, a device tensor) and gets the
+  whole buffers back: its attention (:mod:`eval.attention`) reads only as many entries as its
+  mask is long, so the shapes a compiled forward sees do not depend on the values of the lengths
+  and the engine moves the pointer itself after the round.
+
+Why not transformers' ``StaticCache``: it attends over the whole capacity on every forward (its
+mask is as long as the buffer), keeps its length in a device tensor (reading it back is a host
+sync) and crops by subtracting, with no way to keep a tree's accepted path. Caches that drop old
+entries (sliding windows) cannot be rolled back in place and are refused with a clear error.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
+
+MIN_CAPACITY = 256  # entries a buffer holds at least; it grows by doubling past that
 
 
-def new_cache(model) -> DynamicCache:
-    cache = DynamicCache(config=model.config)
-    for layer in cache.layers:
-        if type(layer) is not DynamicLayer:
-            kind = "sliding-window" if isinstance(layer, DynamicSlidingWindowLayer) else type(layer).__name__
+def _layer_kinds(config) -> list[str]:
+    """Each layer's cache kind as transformers decides it from the config."""
+    kinds = []
+    for layer in DynamicCache(config=config).layers:
+        if type(layer) is DynamicLayer:
+            kinds.append("full attention")
+        elif isinstance(layer, DynamicSlidingWindowLayer):
+            kinds.append("sliding-window")
+        else:
+            kinds.append(type(layer).__name__)
+    return kinds
+
+
+class StaticLayer(CacheLayerMixin):
+    """One decoder layer's keys and values in preallocated buffers (see the module docstring)."""
+
+    is_compileable = True
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, cache: StaticCache):
+        self._keys = self._values = None
+        super().__init__()
+        self.cache = cache
+        self.length = 0
+
+    # transformers' mixin stores keys and values as attributes; here they are the real entries
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._keys is None else self._keys[:, :, : self.length]
+
+    @keys.setter
+    def keys(self, value) -> None:
+        if value is not None:
+            raise AttributeError("a StaticLayer's keys live in its buffer; write them with update")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._values is None else self._values[:, :, : self.length]
+
+    @values.setter
+    def values(self, value) -> None:
+        if value is not None:
+            raise AttributeError("a StaticLayer's values live in its buffer; write them with update")
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._keys is None else self._keys.shape[2]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.allocate(key_states, value_states, self.cache.capacity)
+
+    def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
+        """Buffers of ``capacity`` entries shaped like ``key_states`` / ``value_states``, holding
+        the real entries there were."""
+        batch, heads = key_states.shape[:2]
+        keys = key_states.new_zeros(batch, heads, capacity, key_states.shape[-1])
+        values = value_states.new_zeros(batch, heads, capacity, value_states.shape[-1])
+        if self._keys is not None:
+            keys[:, :, : self.length] = self._keys[:, :, : self.length]
+            values[:, :, : self.length] = self._values[:, :, : self.length]
+        self._keys, self._values = keys, values
+        self.device = keys.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._keys is None:
+            self.lazy_initialization(key_states, value_states)
+        slots = self.cache.slots
+        if slots is not None:  # the engine's forward: whole buffers, its attention reads its part
+            self._keys.index_copy_(2, slots, key_states)
+            self._values.index_copy_(2, slots, value_states)
+            return self._keys, self._values
+        new = key_states.shape[2]
+        if self.length + new > self.capacity:
+            self.allocate(key_states, value_states, grown(self.length + new))
+        self._keys[:, :, self.length: self.length + new] = key_states
+        self._values[:, :, self.length: self.length + new] = value_states
+        self.length += new
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1  # grows on demand
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers' convention: a negative count of entries to drop."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count of entries to remove")
+        self.length = max(0, self.length + tokens_to_remove)
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+def grown(needed: int) -> int:
+    """The capacity a buffer grows to for ``needed`` entries: a power of two, at least
+    :data:`MIN_CAPACITY` (few sizes, so a compiled forward sees few buffer shapes)."""
+    capacity = MIN_CAPACITY
+    while capacity < needed:
+        capacity *= 2
+    return capacity
+
+
+class StaticCache(Cache):
+    """Preallocated keys and values for every layer of the model ``config`` describes (a
+    transformers config); see the module docstring.
+
+    ``slots``: None (writes append at the pointer, transformers' way) or the (q,) device tensor of
+    positions the next forward writes (the engine's way, which then sets the pointer itself).
+    """
+
+    def __init__(self, config, capacity: int = MIN_CAPACITY):
+        kinds = _layer_kinds(config)
+        other = sorted(set(kinds) - {"full attention"})
+        if other:
+            architecture = (getattr(config, "architectures", None) or [config.model_type])[0]
             raise ValueError(
-                f"{type(model).__name__} uses {kind} cache layers, which speculative verification "
-                "cannot roll back in place; only full-attention decoders are supported for now"
-            )
-    return cache
+                f"{architecture} uses {', '.join(other)} cache layers, which speculative "
+                "verification cannot roll back in place; only full-attention decoders are "
+                "supported for now")
+        self.capacity = grown(capacity)
+        self.slots: torch.Tensor | None = None
+        super().__init__(layers=[StaticLayer(self) for _ in kinds])
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length if self.layers else 0
+
+    def set_length(self, length: int) -> None:
+        for layer in self.layers:
+            layer.length = length
+
+    def reserve(self, needed: int) -> None:
+        """Make room for ``needed`` entries in every allocated buffer (and in those to come)."""
+        if needed <= self.capacity:
+            return
+        self.capacity = grown(needed)
+        for layer in self.layers:
+            if layer._keys is not None:
+                layer.allocate(layer._keys, layer._values, self.capacity)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].length
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every allocated key and value buffer, layer by layer."""
+        return [t for layer in self.layers if layer._keys is not None
+                for t in (layer._keys, layer._values)]
+
+    def __deepcopy__(self, memo):
+        copy = StaticCache.__new__(StaticCache)
+        memo[id(self)] = copy
+        Cache.__init__(copy, layers=[])
+        copy.capacity, copy.slots = self.capacity, None
+        for layer in self.layers:
+            twin = StaticLayer(copy)
+            twin.length = layer.length
+            if layer._keys is not None:
+                twin._keys, twin._values = layer._keys.clone(), layer._values.clone()
+                twin.device, twin.is_initialized = layer.device, True
+            copy.layers.append(twin)
+        return copy
 
 
-def cache_length(cache: DynamicCache) -> int:
+def new_cache(model, capacity: int = MIN_CAPACITY) -> StaticCache:
+    """An empty cache for a transformers model (or anything with its ``config``)."""
+    return StaticCache(model.config, capacity)
+
+
+def cache_length(cache: StaticCache) -> int:
     return cache.get_seq_length()
 
 
-def keep_tree_path(cache: DynamicCache, past_len: int, keep: list[int]) -> None:
-    """Keep the first ``past_len`` entries plus the tree entries at offsets ``keep`` after them.
+def crop(cache: Cache, length: int) -> None:
+    """Drop every entry at position >= length (a :class:`StaticCache` moves its pointer; a
+    transformers cache is cropped its own way)."""
+    if isinstance(cache, StaticCache):
+        cache.set_length(min(length, cache.length))
+        return
+    current = cache.get_seq_length()
+    if length < current:
+        cache.crop(length - current)
 
-    ``keep`` lists offsets into the block appended by the last forward (0 = root), in order. A
-    contiguous prefix (a chain) is a crop; otherwise the accepted entries are moved into place.
+
+def compact(cache: StaticCache, past: int, keep: torch.Tensor | list[int], count: int | None = None
+            ) -> None:
+    """Keep the first ``past`` entries and, after them, the entries at offsets ``keep`` of the
+    block the last forward appended (0 = its first entry), in order: ``count`` of them (default
+    all of ``keep``). ``keep`` may live on the device (a round's accepted path): it is never read
+    on the host. A prefix (a chain's accepted tokens) needs no copy; the pointer moves either way.
     """
-    new_len = past_len + len(keep)
-    contiguous = keep == list(range(len(keep)))
-    index = None
-    for layer in cache.layers:
-        if layer.keys is None or layer.keys.numel() == 0:
-            continue
-        if not contiguous:
-            if index is None:
-                index = torch.tensor(keep, device=layer.keys.device) + past_len
-            layer.keys[:, :, past_len:new_len] = layer.keys.index_select(2, index)
-            layer.values[:, :, past_len:new_len] = layer.values.index_select(2, index)
-        layer.keys = layer.keys[:, :, :new_len]
-        layer.values = layer.values[:, :, :new_len]
+    if not isinstance(keep, torch.Tensor):
+        keep = list(keep)
+        count = len(keep) if count is None else count
+        if keep[:count] == list(range(count)):
+            cache.set_length(past + count)
+            return
+        keep = torch.tensor(keep[:count], dtype=torch.long)
+    count = keep.shape[0] if count is None else count
+    index = keep[:count].to(torch.long)
+    for buffer in cache.buffers():  # (batch, heads, capacity, dim): one gather, one write each
+        index = index.to(buffer.device)
+        buffer[:, :, past: past + count] = buffer.index_select(2, index + past)
+    cache.set_length(past + count)
 
 
-def crop(cache: DynamicCache, length: int) -> None:
-    """Drop every entry at position >= length."""
-    for layer in cache.layers:
-        if layer.keys is None or layer.keys.numel() == 0:
-            continue
-        layer.keys = layer.keys[:, :, :length]
-        layer.values = layer.values[:, :, :length]
+def keep_tree_path(cache: StaticCache, past_len: int, keep: list[int]) -> None:
+    """``compact`` with a host list of offsets (the draft LM's own cache)."""
+    compact(cache, past_len, keep)

@@ -50,7 +50,10 @@ DEFAULT_POSTERIOR_ALPHA = 0.3
 
 
 class MedusaTree:
-    """A static tree's structure, turned into a ``DraftTree`` from the heads' top-k each round."""
+    """A static tree's structure, turned into a ``DraftTree`` from the heads' top-k each round.
+
+    The form (parents, ancestors, depths, which head and rank fill each node) is copied to a
+    device once, so a round gathers its tokens there and reads nothing on the host."""
 
     def __init__(self, paths, num_heads: int):
         self.paths = check_tree(paths, num_heads)
@@ -62,16 +65,30 @@ class MedusaTree:
         self.max_depth = max(len(p) for p in self.paths)
         # nodes sorted by depth: the nodes no deeper than d are the first within_depth[d]
         self.within_depth = [sum(len(p) <= d for p in self.paths) for d in range(self.max_depth + 1)]
+        self._forms: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
     def __len__(self) -> int:
         return len(self.paths)
 
+    def _form(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        if device not in self._forms:
+            host = DraftTree([0] * len(self.paths), self.parents)
+            self._forms[device] = tuple(t.to(device) for t in (
+                self.head_of, self.rank_of, torch.tensor(self.parents, dtype=torch.long),
+                host.ancestor_mask(), torch.tensor(host.depths, dtype=torch.long)))
+        return self._forms[device]
+
     def draft_tree(self, top_tokens: torch.Tensor, max_depth: int) -> DraftTree:
-        """top_tokens (depth, topk): head d's guesses by rank -> deterministic-children tree."""
+        """top_tokens (depth, topk): head d's guesses by rank -> deterministic-children tree,
+        on top_tokens' device."""
         depth = min(max_depth, self.max_depth, top_tokens.shape[0])
         n = self.within_depth[depth]
-        tokens = top_tokens[self.head_of[:n], self.rank_of[:n]].tolist()
-        return DraftTree(tokens, self.parents[:n])
+        head_of, rank_of, parents, ancestors, depths = self._form(top_tokens.device)
+        tokens = top_tokens[head_of[:n], rank_of[:n]]
+        return DraftTree.from_tensors(tokens, parents[:n], depth_bound=depth,
+                                      chain=all(p == i for i, p in enumerate(self.parents[:n])),
+                                      ancestors=ancestors[: n + 1, : n + 1],
+                                      depths=depths[: n + 1], host_parents=self.parents[:n])
 
 
 class MedusaProposer(Proposer):
@@ -162,7 +179,7 @@ class MedusaProposer(Proposer):
         depth = min(max_depth, self.tree.max_depth)
         if depth < 1 or self.h is None:
             return None
-        top = self.heads.top_tokens(self.h, self.tree.topk, num=depth).cpu()  # (depth, topk)
+        top = self.heads.top_tokens(self.h, self.tree.topk, num=depth)  # (depth, topk)
         return self.tree.draft_tree(top, depth)
 
     def observe(self, seq, tree, path, hidden) -> None:

@@ -144,7 +144,8 @@ class BuildContext:
     (None: the target's); ``allow_other_weights``: heads trained for a target of the same shapes
     but other weights are accepted; ``tree``: "auto" (trees sized by measured cost,
     eval.tree_auto) or "fixed"; ``tree_calibration``: keyword options of the acceptance
-    measurement for artifacts that have none.
+    measurement for artifacts that have none; ``compile``: drafts' forwards are compiled as the
+    engine's is (--compile).
     """
 
     target: Target
@@ -154,6 +155,7 @@ class BuildContext:
     allow_other_weights: bool = False
     tree: str = TREE_FIXED
     tree_calibration: dict = field(default_factory=dict)
+    compile: bool = False
     _drafts: dict[str, torch.nn.Module] = field(default_factory=dict)
 
     def kind_options(self, kind: str) -> dict:
@@ -171,6 +173,7 @@ class BuildContext:
 ARTIFACT_FIXED_OPTIONS = {
     "name": "the method's name on the command line",
     "allow_other_weights": "--allow-other-weights",
+    "compile": "--compile",
 }
 
 

@@ -82,7 +82,7 @@ from heads.artifact import check_integers, load_artifact, save_artifact
 from heads.draft_vocab import build_draft_vocab as build_draft_vocab
 from heads.draft_vocab import check_vocab_maps
 from heads.draft_vocab import count_tokens as count_tokens
-from heads.target import FrozenParts, Target
+from heads.target import FrozenParts, Target, attention_bias
 from heads.ttt_attention import ttt_attention
 
 VERSIONS = (1, 3)
@@ -349,12 +349,6 @@ def _llama_layer_config(
         architectures=list(getattr(tc, "architectures", None) or []) or None,
     )
     return {k: v for k, v in cfg.to_dict().items() if k not in _CONFIG_NOISE}
-
-
-def attention_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool (..., q, k) -> additive float mask: 0 where allowed, the dtype's minimum elsewhere."""
-    zero = torch.zeros((), dtype=dtype, device=allowed.device)
-    return torch.where(allowed, zero, torch.finfo(dtype).min)
 
 
 def causal_mask(

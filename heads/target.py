@@ -339,20 +339,24 @@ class FrozenParts:
         return self
 
 
+def attention_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool (..., q, k) -> additive float mask: 0 where allowed, the dtype's minimum elsewhere."""
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
 def tree_attention_mask(allowed: torch.Tensor, past: int, dtype: torch.dtype,
                         device: torch.device | str | None = None) -> torch.Tensor:
     """The 4-D additive mask for a forward over tree nodes on top of ``past`` cached positions.
 
     allowed (q, k) bool: [i, j] True when new position i may attend to new position j (itself
     and its tree ancestors). Every new position sees the whole cached prefix. Returns
-    (1, 1, q, past + k) in ``dtype``: 0 where attention is allowed, the dtype's minimum elsewhere,
-    the form transformers' attention takes together with per-node ``position_ids``.
+    (1, 1, q, past + k) in ``dtype`` (:func:`attention_bias`), the form transformers' attention
+    takes together with per-node ``position_ids``.
     """
-    q, k = allowed.shape
-    mask = torch.full((1, 1, q, past + k), torch.finfo(dtype).min, dtype=dtype, device=device)
-    mask[..., :past] = 0
-    mask[0, 0, :, past:].masked_fill_(allowed.to(mask.device), 0)
-    return mask
+    seen = torch.ones(allowed.shape[0], past + allowed.shape[1], dtype=torch.bool, device=device)
+    seen[:, past:] = allowed.to(seen.device)
+    return attention_bias(seen, dtype)[None, None]
 
 
 def weights_fingerprint(model: nn.Module,

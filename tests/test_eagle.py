@@ -407,7 +407,12 @@ def test_pruned_expansion_chooses_the_same_trees_from_fewer_rows(engine, heads, 
             assert a.extra["scores"] == pytest.approx(b.extra["scores"], abs=1e-12)
         rounds += len(full.proposals)
     assert rounds > 20
-    assert pruned.expanded_rows < full.expanded_rows
+    # the pruning is a bound known before the round (static shapes, no read of the scores): it
+    # saves rows where the node budget is tighter than the frontier at the deepest depths
+    if shape["tree_nodes"] - shape["depth"] + 1 < shape["topk"]:
+        assert pruned.expanded_rows < full.expanded_rows
+    else:
+        assert pruned.expanded_rows == full.expanded_rows
 
 
 def test_sampling_uses_the_point_mass_rule(engine, heads):

@@ -1,0 +1,95 @@
+"""The engine's attention: transformers' own modules, one attention function of ours.
+
+Every forward the engine runs (the target's verification, a draft LM's, an EAGLE head's) goes
+through the model's own transformers modules with the attention implementation switched to
+:data:`ENGINE_ATTENTION` for that call (:func:`engine_attention`), registered with transformers'
+``AttentionInterface``. It differs from transformers' ``sdpa`` in two ways, neither of which
+changes what is computed:
+
+* it reads only as many cached entries as the mask is long: the engine's caches hand back their
+  whole preallocated buffers (:mod:`eval.kv`), so a compiled forward sees the same buffers every
+  round and the mask alone says how much of them is real;
+* grouped-query attention with a mask (a token tree, several queries) keeps the keys and values
+  as they are: the queries of the heads sharing one key/value head are stacked along the query
+  axis and the mask repeated for them, where transformers' ``sdpa`` copies every key and value
+  head ``heads / kv_heads`` times per layer per forward (``repeat_kv``). For a single query this
+  is what transformers itself does (``pack_gqa``); for several it is the same arithmetic row by
+  row.
+
+The mask is the engine's 4-D additive float mask (0 where a query may attend, the dtype's minimum
+elsewhere; ``heads.target.tree_attention_mask``), with the positions passed as ``position_ids``.
+Features the function does not implement (soft-capping, attention sinks, position biases, a
+sliding window) are refused by name rather than computed otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+from transformers import AttentionInterface
+
+ENGINE_ATTENTION = "draftsmith"
+_REFUSED = ("softcap", "s_aux", "sinks", "position_bias", "sliding_window")
+
+
+def tree_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                   scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """query (b, heads, q, d); key, value (b, kv_heads, >= kv, d); attention_mask (b or 1, 1, q,
+    kv) additive -> (b, q, heads, d), as transformers' attention functions return it."""
+    for name in _REFUSED:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"the engine's attention does not implement {name} (asked for by "
+                             f"{type(module).__name__}); this architecture is not supported yet")
+    if attention_mask is None:
+        raise ValueError("the engine's attention needs the engine's 4-D mask")
+    batch, heads, q, dim = query.shape
+    kv = attention_mask.shape[-1]
+    key, value = key[:, :, :kv], value[:, :, :kv]
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    mask = attention_mask.to(query.dtype)
+    if group > 1:
+        # heads h = k * group + r read key/value head k (transformers' repeat_kv order): stack the
+        # group's queries along the query axis, (b, kv_heads, group * q, d), rows r-major
+        query = query.reshape(batch, kv_heads, group * q, dim)
+        mask = mask.expand(-1, -1, q, kv).repeat(1, 1, group, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                                           scale=scaling)
+    return out.reshape(batch, heads, q, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ENGINE_ATTENTION, tree_attention)
+
+
+_CONFIGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _configs(model: torch.nn.Module) -> list:
+    """Every distinct config object the model's modules read their attention implementation
+    from (one for most models; a sub-config per tower for multimodal ones), found once."""
+    if model not in _CONFIGS:
+        found: dict[int, object] = {}
+        for module in model.modules():
+            config = getattr(module, "config", None)
+            if config is not None and hasattr(config, "_attn_implementation"):
+                found.setdefault(id(config), config)
+        _CONFIGS[model] = list(found.values())
+    return _CONFIGS[model]
+
+
+@contextlib.contextmanager
+def engine_attention(model: torch.nn.Module):
+    """Within the block, ``model``'s attention layers call :func:`tree_attention`; outside it
+    (transformers' ``generate``, the ``hf`` baselines, training) they are as they were."""
+    configs = _configs(model)
+    saved = [config._attn_implementation for config in configs]
+    for config in configs:
+        config._attn_implementation = ENGINE_ATTENTION
+    try:
+        yield
+    finally:
+        for config, name in zip(configs, saved, strict=True):
+            config._attn_implementation = name

@@ -1,0 +1,116 @@
+"""How the engine runs a model's forward: its static cache, its attention, compiled or not.
+
+A :class:`ModelForward` wraps one module the engine calls every round (the target, a draft LM, an
+EAGLE head): it owns the module's :class:`eval.kv.StaticCache` (allocated once, reused by every
+generation), switches the module's attention to the engine's (:mod:`eval.attention`) for the call,
+names the cache slots the call writes, and, with ``compile=True``, runs the call through
+``torch.compile``.
+
+Compiling. Every round feeds the same module the same kinds of tensors: token ids (1, q),
+positions (1, q), the engine's additive mask (1, 1, q, kv) and the cache slots (q,). Only q and kv
+change, and they are dynamic dimensions of the compiled graph, so a whole benchmark compiles two
+graphs per module (q = 1, plain decoding; q >= 2, every tree size) whatever its tree sizes and
+context lengths; :attr:`ModelForward.compile_seconds` is the time the calls that compiled took,
+which the benchmark reports apart from the decoding it measures. The guards on the module's
+parameters are skipped (``torch.compiler.skip_guard_on_all_nn_modules_unsafe``): the weights of
+a frozen target and of a loaded draft do not change while the engine runs. Calls that keep only
+the last logits (a prompt's prefill) run eagerly: they happen once per prompt, with shapes no
+round repeats. On CUDA the same graphs could be captured as CUDA graphs (``mode="reduce-
+overhead"``); draftsmith has not measured that path yet, so it compiles the same way there.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+from torch._dynamo.utils import counters
+
+from eval.attention import engine_attention
+from eval.kv import MIN_CAPACITY, StaticCache
+
+_FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class ModelForward:
+    """One module's forward as the engine runs it (see the module docstring).
+
+    ``call(module, **kwargs)`` is how the module is called with the engine's tensors: for a
+    transformers causal LM :func:`causal_lm_call` (the default), for an EAGLE head its own.
+    """
+
+    def __init__(self, module: torch.nn.Module, *, compile: bool = False, call=None,
+                 cache_config=None):
+        self.module = module
+        self.call = call or causal_lm_call
+        self.cache = StaticCache(cache_config if cache_config is not None else module.config,
+                                 MIN_CAPACITY)
+        self.compile = compile
+        self.compile_seconds = 0.0
+        self._compiled = None
+        self.graphs = 0  # graphs compiled for this module
+        self.owner = None  # the generation holding the cache now
+
+    def take_cache(self, owner) -> StaticCache:
+        """The cache, emptied, for a new generation ``owner``; an unfinished earlier one loses it."""
+        self.owner = owner
+        self.cache.set_length(0)
+        return self.cache
+
+    def check_owner(self, owner) -> None:
+        if self.owner is not owner:
+            raise ValueError("this generation's cache was taken by a later generation on the same "
+                             "model: finish one generation before beginning the next")
+
+    def _compiled_call(self):
+        if self._compiled is None:
+            self._compiled = torch.compile(
+                self.call, dynamic=True,
+                options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        return self._compiled
+
+    def __call__(self, slots: torch.Tensor, *, eager: bool = False, **kwargs):
+        """The module's forward writing its new entries at ``slots`` (a (q,) device tensor); the
+        caller moves the cache's length pointer afterwards. ``eager``: never compiled (a
+        prefill)."""
+        cache = self.cache
+        cache.reserve(int(slots.shape[0]) + max(cache.length, 0) + 1)
+        cache.slots = slots
+        try:
+            with engine_attention(self.module), torch.no_grad():
+                if not self.compile or eager:
+                    return self.call(self.module, cache=cache, **kwargs)
+                before = counters["stats"]["unique_graphs"]
+                started = time.perf_counter()
+                out = self._compiled_call()(self.module, cache=cache, **kwargs)
+                new = counters["stats"]["unique_graphs"] - before
+                if new:  # this call compiled (dynamo counts every graph it makes)
+                    self.graphs += new
+                    self.compile_seconds += time.perf_counter() - started
+                return out
+        finally:
+            cache.slots = None
+
+
+def causal_lm_call(model, *, cache, input_ids, position_ids, attention_mask,
+                   output_hidden_states: bool = False, logits_to_keep: int = 0):
+    """A transformers causal LM over the engine's tensors -> its output (logits, hidden states)."""
+    return model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                 cache=cache, use_cache=True, output_hidden_states=output_hidden_states,
+                 logits_to_keep=logits_to_keep)
+
+
+def model_forward(module: torch.nn.Module, *, role: str = "target", compile: bool = False,
+                  call=None, cache_config=None) -> ModelForward:
+    """The one :class:`ModelForward` of ``module`` in ``role`` ("target" or "draft": a target
+    may draft for itself, with a cache of its own), made at the first request; asking again with
+    ``compile=True`` turns compiling on for it."""
+    forwards = _FORWARDS.setdefault(module, {})
+    forward = forwards.get(role)
+    if forward is None:
+        forward = ModelForward(module, compile=compile, call=call, cache_config=cache_config)
+        forwards[role] = forward
+    elif compile:
+        forward.compile = True
+    return forward

@@ -1,0 +1,222 @@
+"""What a round costs on this machine, timed as the engine runs it: the cost model.
+
+A speculative round is propose -> verify -> accept -> compact -> observe. Its cost is split in two
+parts, each timed on whole rounds of :class:`eval.engine.SpeculativeEngine` (so whatever a round
+does, masks, gathers, the acceptance and the host read included, is in the figure):
+
+* **the engine's side**, ``E(n, c)``: a round verifying a tree of ``n`` draft tokens (0 is plain
+  decoding) with ``c`` tokens already cached, everything but the proposer's own work. Timed with
+  :class:`ReplayTree`, a proposer whose trees are made once on the device and cost nothing to
+  propose, cycling through the sizes at several context lengths; each size's seconds are fitted
+  by a line in ``c`` (:func:`engine_costs`).
+* **the draft's side**, ``D(c)``: what one method's proposer adds to a round. Timed on the
+  method's own rounds at several context lengths: each round's seconds minus ``E`` at its size
+  and context, fitted by a line in ``c`` (:func:`draft_costs`).
+
+A round of a method is predicted to cost ``E(n, c) + D(c)``; ``--tree auto`` compares trees with
+it, and the benchmark predicts every method's decoding time from the rounds that actually ran
+(their sizes and contexts) and reports it beside the measured time (:func:`predict_seconds`).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+
+from eval.proposers import Proposer
+from eval.sampling import SamplingParams
+from eval.tree import DraftTree
+
+ROUND_SIZES = (0, 1, 2, 3, 4, 5, 7, 9, 11, 15, 23, 31, 47, 63)  # draft tokens per round timed
+COST_CONTEXTS = (128, 512)  # tokens cached when rounds are timed (a line through them)
+COST_REPEATS = 5  # rounds of each size at each context (the first pass is a warm-up)
+KINDS = ("tree", "chain")
+
+
+def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares line (a, b) of y = a + b x; a flat line through the median with one x."""
+    xs = [x for x, _ in points]
+    if len(set(xs)) < 2:
+        return statistics.median(y for _, y in points), 0.0
+    mx = statistics.fmean(xs)
+    my = statistics.fmean(y for _, y in points)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return my - b * mx, b
+
+
+def _robust(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points within 3 median absolute deviations of their context's median (a round the
+    machine interrupted says nothing about what a round costs)."""
+    kept = []
+    by_x: dict[float, list[float]] = {}
+    for x, y in points:
+        by_x.setdefault(x, []).append(y)
+    for x, ys in by_x.items():
+        med = statistics.median(ys)
+        mad = statistics.median(abs(y - med) for y in ys) or med * 0.02
+        kept += [(x, y) for y in ys if abs(y - med) <= 3 * mad]
+    return kept
+
+
+@dataclass
+class RoundCosts:
+    """``engine[kind][n] = (a, b)``: the engine's side of a round of n draft tokens costs
+    a + b * context seconds; ``draft`` the same line for one method's proposer (None: not
+    measured, counted as 0)."""
+
+    engine: dict[str, dict[int, tuple[float, float]]]
+    draft: tuple[float, float] | None = None
+    contexts: tuple[int, ...] = COST_CONTEXTS
+    extra: dict = field(default_factory=dict)
+
+    def engine_seconds(self, n: int, context: float, kind: str = "tree") -> float:
+        table = self.engine[kind if kind in self.engine else "tree"]
+        sizes = sorted(table)
+        if n in table:
+            a, b = table[n]
+            return a + b * context
+        if n > sizes[-1]:  # beyond the largest size timed: the last step's slope
+            lo, hi = sizes[-2], sizes[-1]
+        else:
+            hi = next(s for s in sizes if s > n)
+            lo = max(s for s in sizes if s < n)
+        w = (n - lo) / (hi - lo)
+        a = table[lo][0] * (1 - w) + table[hi][0] * w
+        b = table[lo][1] * (1 - w) + table[hi][1] * w
+        return a + b * context
+
+    def draft_seconds(self, context: float) -> float:
+        if self.draft is None:
+            return 0.0
+        a, b = self.draft
+        return max(0.0, a + b * context)
+
+    def round_seconds(self, n: int, context: float, kind: str = "tree") -> float:
+        return self.engine_seconds(n, context, kind) + self.draft_seconds(context)
+
+    def with_draft(self, draft: tuple[float, float] | None) -> RoundCosts:
+        return RoundCosts(self.engine, draft, self.contexts)
+
+    def to_dict(self) -> dict:
+        return {"engine": {kind: {str(n): list(line) for n, line in table.items()}
+                           for kind, table in self.engine.items()},
+                "draft": None if self.draft is None else list(self.draft),
+                "contexts": list(self.contexts)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RoundCosts:
+        engine = {kind: {int(n): (float(a), float(b)) for n, (a, b) in table.items()}
+                  for kind, table in data["engine"].items()}
+        draft = data.get("draft")
+        return cls(engine, None if draft is None else (float(draft[0]), float(draft[1])),
+                   tuple(data.get("contexts") or COST_CONTEXTS))
+
+
+def costs_problem(data) -> str | None:
+    """What is wrong with a stored cost record (None: usable)."""
+    try:
+        costs = RoundCosts.from_dict(data)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return "not a table of engine costs per round size"
+    if not costs.engine or any(0 not in table or len(table) < 2 for table in costs.engine.values()):
+        return "the engine's costs need plain decoding (0) and at least one tree size"
+    return None
+
+
+class ReplayTree(Proposer):
+    """Every round the next size of ``sizes`` (cycled), as a tree made once on the device, so
+    that proposing costs nothing: what is timed is the engine's side of the round. ``kind``
+    "tree" draws random parents (seeded), "chain" a chain; the tokens are random."""
+
+    name = "replay"
+
+    def __init__(self, sizes, device, vocab: int, kind: str = "tree", seed: int = 0):
+        rng = random.Random(seed)
+        self.sizes = list(sizes)
+        self._trees: dict[int, tuple] = {}
+        gen = torch.Generator().manual_seed(seed)
+        for n in set(self.sizes):
+            if n == 0:
+                continue
+            parents = (list(range(n)) if kind == "chain" else
+                       [rng.randrange(0, i) if i > 1 else 0 for i in range(1, n + 1)])
+            host = DraftTree([0] * n, parents)
+            tokens = torch.randint(0, vocab, (n,), generator=gen).to(device)
+            self._trees[n] = (tokens, torch.tensor(parents, device=device),
+                              host.ancestor_mask().to(device),
+                              torch.tensor(host.depths, device=device), parents,
+                              host.max_depth, kind == "chain")
+        self.turn = 0
+
+    def propose(self, seq, max_depth):
+        n = self.sizes[self.turn % len(self.sizes)]
+        self.turn += 1
+        if n == 0:
+            return None
+        tokens, parents, ancestors, depths, host, bound, chain = self._trees[n]
+        if bound > max_depth:
+            return None
+        return DraftTree.from_tensors(tokens, parents, depth_bound=bound, chain=chain,
+                                      ancestors=ancestors, depths=depths, host_parents=host)
+
+
+def _context_prompt(vocab: int, length: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (length,), generator=gen).tolist()
+
+
+def _rounds(engine, proposer, prompt: list[int], rounds: int,
+            params: SamplingParams | None = None) -> list[tuple[int, int, float]]:
+    """(draft tokens, cached tokens, seconds) of ``rounds`` rounds after ``prompt``."""
+    state = engine.begin(prompt, rounds + 1, params or SamplingParams(), proposer, seed=0,
+                         stop_at_eos=False)
+    while not state.done:
+        engine.step(state)
+    return state.gen.rounds
+
+
+def engine_costs(engine, sizes=ROUND_SIZES, contexts=COST_CONTEXTS, repeats: int = COST_REPEATS,
+                 kinds=KINDS) -> RoundCosts:
+    """The engine's side of a round, ``E(n, c)`` (see the module docstring)."""
+    target = engine.target
+    sizes = sorted(set(sizes) | {0})
+    largest = max(contexts) + (repeats + 1) * (max(sizes) + 1) * len(sizes) + 1
+    if largest > target.max_context:
+        raise ValueError(f"timing rounds after {max(contexts)} tokens needs a context of "
+                         f"{largest}; the target's is {target.max_context}")
+    table: dict[str, dict[int, tuple[float, float]]] = {}
+    for kind in kinds:
+        points: dict[int, list[tuple[float, float]]] = {n: [] for n in sizes}
+        for i, context in enumerate(contexts):
+            proposer = ReplayTree(sizes, engine.device, target.vocab_size, kind, seed=i)
+            rounds = _rounds(engine, proposer, _context_prompt(target.vocab_size, context, i),
+                             len(sizes) * (repeats + 1))
+            for n, past, seconds in rounds[len(sizes):]:  # the first pass warms up
+                points[n].append((past, seconds))
+        table[kind] = {n: _fit(_robust(p)) for n, p in points.items()}
+    return RoundCosts(table, None, tuple(contexts))
+
+
+def draft_costs(engine, proposer, costs: RoundCosts, prompts: list[list[int]], *,
+                contexts=COST_CONTEXTS, rounds: int = 8, kind: str = "tree",
+                params: SamplingParams | None = None) -> tuple[float, float]:
+    """A proposer's side of a round, ``D(c)`` (see the module docstring): its own rounds after
+    each prompt cut or repeated to each context length, minus the engine's side."""
+    points = []
+    for i, context in enumerate(contexts):
+        prompt = list(prompts[i % len(prompts)])
+        prompt = (prompt * (context // max(1, len(prompt)) + 1))[:context]
+        timed = _rounds(engine, proposer, prompt, rounds + 2, params)[2:]  # two to warm up
+        points += [(past, seconds - costs.engine_seconds(n, past, kind))
+                   for n, past, seconds in timed]
+    return _fit(_robust(points))
+
+
+def predict_seconds(costs: RoundCosts, rounds: list[tuple[int, int, float]],
+                    kind: str = "tree") -> float:
+    """The seconds the cost model gives the rounds that ran (their sizes and contexts)."""
+    return sum(costs.round_seconds(n, past, kind) for n, past, _ in rounds)
