@@ -3,14 +3,15 @@ n-gram prompt lookup, and transformers' own ``generate``, its prompt lookup and 
 generation.
 
     plain         our engine, one target forward per token
-    hf            transformers generate (the baseline of speedup)
+    hf            transformers generate (the greedy reference, a peer with its own ratio)
+    hf-static     generate with transformers' static cache, its decoding step compiled
     pld           our engine with n-gram prompt lookup (the --pld-* flags)
     hf-pld        generate(prompt_lookup_num_tokens=--pld-depth)
     hf-assisted:<dir|truncate:N>   generate(assistant_model=...)
     ngram:<type>  llama.cpp's own n-gram lookup (--engine llama.cpp only)
 
-With ``--engine llama.cpp`` plain is llama.cpp's plain decoding (``serve_plain``), the baseline
-of speedup there.
+``plain`` is the baseline of ``speedup`` in both engines (with ``--engine llama.cpp``, llama.cpp's
+own plain decoding: ``serve_plain``); transformers' methods are peers with their own ratio.
 """
 
 from __future__ import annotations
@@ -45,6 +46,19 @@ def build_plain(arg: str, name: str, ctx: BuildContext) -> EngineMethod:
 
 def build_hf(arg: str, name: str, ctx: BuildContext) -> HFMethod:
     return HFMethod(name, ctx.target)
+
+
+def build_hf_static(arg: str, name: str, ctx: BuildContext) -> HFMethod:
+    """transformers' compiled static-cache ``generate``: its StaticCache sized for the longest
+    prompt of the run plus the new tokens (one compiled graph), compiled with transformers' own
+    settings (``reduce-overhead`` on a GPU; inductor's default on a CPU, where transformers
+    compiles only when asked)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig() if ctx.target.device.type == "cuda" else CompileConfig(mode="default")
+    config._compile_all_devices = True  # transformers' switch for compiling on a CPU
+    return HFMethod(name, ctx.target, cache_implementation="static", compile_config=config,
+                    max_cache_len=ctx.max_cache_len or ctx.target.max_context)
 
 
 def build_pld(arg: str, name: str, ctx: BuildContext) -> EngineMethod:

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from eval.engine import check_prompt
+from eval.forward import COMPILE_MODES
 from eval.llama_bench import ENGINE as LLAMA_ENGINE
 from eval.llama_bench import EngineRun, cross_check, llama_engine
 from eval.methods import (
@@ -48,6 +49,7 @@ from eval.methods import (
 )
 from eval.prompts import load_prompts
 from eval.report import build_report, check_report_out, log_to_wandb, render_html
+from eval.round_cost import cost_model_records
 from eval.runners import (
     TREE_AUTO,
     TREE_MODES,
@@ -122,6 +124,14 @@ def explain_differences(methods: list[Method], records: list[dict], prompts: lis
         record["greedy_verdict"] = greedy_verdict(found)
 
 
+def compile_seconds(methods: list[Method]) -> dict[str, float]:
+    """Seconds spent compiling, per compiled module (the target, each draft), apart from every
+    method's timed seconds."""
+    from eval.forward import compiled_forwards
+
+    return {name: round(seconds, 1) for name, seconds in compiled_forwards().items()}
+
+
 # ---------------------------------------------------------------------------------------------
 # the command line
 
@@ -164,6 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attn-implementation", default=None,
                    help="the target's attention kernel: sdpa, eager, ... (default: transformers')")
     p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads")
+    p.add_argument("--compile", choices=("auto", *COMPILE_MODES), default="auto",
+                   help="compile the engine's and the drafts' forwards (eval.forward): on "
+                        "(inductor's default), max (weights frozen into the graph, GEMMs "
+                        "autotuned: the fastest rounds, 3-4 minutes of compiling for a 135M "
+                        "target on 2 cores), off; auto: max for a target of 50M parameters or "
+                        "more, off for smaller ones, whose compiling outlasts the run. Compile "
+                        "time is reported apart, never in a method's seconds (default auto)")
     seen = {}
     for f in option_flags():
         seen.setdefault(f.flag, []).append(f)
@@ -254,16 +271,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+COMPILE_FROM_PARAMETERS = 50_000_000  # --compile auto compiles targets this large or larger
+
+
+def compile_choice(choice: str, target) -> str:
+    """``--compile``'s mode for ``target`` ("auto": see the flag's help)."""
+    if choice != "auto":
+        return choice
+    size = sum(p.numel() for p in target.model.parameters())
+    return "max" if size >= COMPILE_FROM_PARAMETERS else "off"
+
+
 def draftsmith_engine(args, prompt_set, specs: list[str]) -> EngineRun:
-    """Our engine (and transformers' generate for hf*): the methods of ``specs``, hf added."""
+    """Our engine (and transformers' generate for hf*): the methods of ``specs``, plain (the
+    baseline of speedup) and hf (the greedy reference) added."""
     target = load_target(args.target, device=args.device, dtype=args.dtype,
                          attn_implementation=args.attn_implementation)
     prompts = [target.chat_ids(p.text) for p in prompt_set.prompts]
     for ids in prompts:
         check_prompt(ids, args.max_new_tokens, target.vocab_size, target.max_context)
-    if "hf" not in specs:
-        print("[bench] adding `hf`: speedup is measured against it in the same run", file=sys.stderr)
-        specs = ["hf", *specs]
+    for needed, why in (("hf", "greedy outputs are checked against it"),
+                        ("plain", "speedup is measured against it in the same run")):
+        if needed not in specs:
+            print(f"[bench] adding `{needed}`: {why}", file=sys.stderr)
+            specs = [needed, *specs]
+    compile = compile_choice(args.compile, target)
     uses_trees = any(method_for(s).trees for s in specs)
     if args.tree == TREE_AUTO and uses_trees and (
             Path(args.tree_calibration_prompts).resolve() == Path(args.prompts).resolve()):
@@ -276,13 +308,16 @@ def draftsmith_engine(args, prompt_set, specs: list[str]) -> EngineRun:
                                 "calibration_prompts": args.tree_calibration_prompts,
                                 "num_prompts": args.tree_calibration_num_prompts,
                                 "budget_seconds": args.tree_calibration_seconds},
-                            options={kind: options_from_args(args, kind) for kind in owners()})
-    config = {"engine": "draftsmith", "device": str(target.device),
+                            options={kind: options_from_args(args, kind) for kind in owners()},
+                            compile=compile,
+                            max_cache_len=max(map(len, prompts)) + args.max_new_tokens)
+    config = {"engine": "draftsmith", "device": str(target.device), "compile": compile,
               "attn_implementation": getattr(target.config, "_attn_implementation", None),
               "draft_dtype": None if args.draft_dtype is None else dtype_name(args.draft_dtype),
               "method_options": {kind: options_from_args(args, kind) for kind in owners()},
               "tree": args.tree}
-    return EngineRun(methods, prompts, target, "hf", target.dtype, config)
+    return EngineRun(methods, prompts, target, "hf", target.dtype, config,
+                     speed_reference="plain")
 
 
 def main(argv=None) -> list[dict]:
@@ -304,7 +339,13 @@ def main(argv=None) -> list[dict]:
                              params=args.params, seed=args.seed, warmup=args.warmup,
                              repeats=args.repeats, progress=not args.no_progress)
         summary = summarise(runs, prompt_set.prompts, args.params.greedy,
-                            reference=run.reference)
+                            reference=run.reference, speed_reference=run.speed_reference)
+        if args.engine != LLAMA_ENGINE:  # the cost model beside what the rounds took
+            print("[bench] timing rounds for the cost model (predicted beside measured)",
+                  file=sys.stderr)
+            run.config["cost_model"] = cost_model_records(methods, summary["methods"], runs,
+                                                          prompts, args.params)
+            run.config["compile_seconds"] = compile_seconds(methods)
         for method, record in zip(methods, summary["methods"]):
             if getattr(method, "tree", None):
                 record["tree"] = method.tree
@@ -332,7 +373,8 @@ def main(argv=None) -> list[dict]:
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
         "seed": args.seed, "warmup": args.warmup, "repeats": args.repeats,
         "dtype": dtype_name(run.tie_dtype) if args.engine == LLAMA_ENGINE
-        else dtype_name(target.dtype), "reference": run.reference, **run.config,
+        else dtype_name(target.dtype), "reference": run.reference,
+        "speed_reference": run.speed_reference or run.reference, **run.config,
         "threads": args.threads if args.engine == LLAMA_ENGINE else torch.get_num_threads(),
         "torch": torch.__version__, "transformers": transformers.__version__,
         "machine": platform.machine(), "python": platform.python_version(),
@@ -391,9 +433,15 @@ def _greedy_cell(record: dict) -> str:
 def format_table(records: list[dict]) -> str:
     """The per-method table: tau and speedup with their 95% intervals."""
     repeats = any(r.get("speedup_per_repeat") for r in records)
+    vs_hf = any(r.get("speedup_vs_hf") is not None for r in records)
+    reads = any(r.get("host_reads_per_round") is not None for r in records)
     cols = ["method", "tau [95% CI]", "alpha", "tokens/s", "speedup [95% CI]"]
     if repeats:
         cols.append("speedup per repeat")
+    if vs_hf:
+        cols.append("vs hf")
+    if reads:
+        cols.append("reads/round")
     cols += ["target passes", "new tokens", "greedy identical"]
     rows = [cols]
     for r in records:
@@ -404,6 +452,10 @@ def format_table(records: list[dict]) -> str:
             spread = r.get("speedup_per_repeat")
             row.append("-" if not spread else
                        " ".join(_cell(v) for v in spread))
+        if vs_hf:
+            row.append(_cell(r.get("speedup_vs_hf")))
+        if reads:
+            row.append(_cell(r.get("host_reads_per_round"), 2))
         row += [_cell(r.get("target_passes")), _cell(r.get("new_tokens")), _greedy_cell(r)]
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
@@ -449,11 +501,38 @@ def format_trees(records: list[dict]) -> str:
     return "trees chosen by --tree auto:\n" + "\n".join(lines) if lines else ""
 
 
+def format_costs(report: dict) -> str:
+    """The cost model's prediction beside the measured decoding, and the compile time."""
+    lines = []
+    for r in report["methods"]:
+        c = r.get("cost_model")
+        if not c or c.get("predicted_decode_tokens_per_s") is None:
+            continue
+        flag = "  <-- OFF BY MORE THAN 15%" if c.get("flagged") else ""
+        lines.append(f"  {r['method']}: decoding tokens/s predicted "
+                     f"{c['predicted_decode_tokens_per_s']:.2f} / measured "
+                     f"{c['measured_decode_tokens_per_s']:.2f} "
+                     f"({100 * c['prediction_error']:+.1f}%){flag}")
+    config = report.get("config", {})
+    compiled = config.get("compile_seconds") or {}
+    tail = ""
+    if config.get("compile") not in (None, "off"):
+        tail = (f"\ncompiled ({config['compile']}): " + ", ".join(
+            f"{k} {v:.0f} s" for k, v in compiled.items()) + " (not in any method's seconds)")
+    if not lines:
+        return tail.strip()
+    return ("cost model (rounds timed after the run, applied to the rounds that ran):\n"
+            + "\n".join(lines) + tail)
+
+
 def format_report(report: dict) -> str:
-    parts = [format_table(report["methods"]), format_trees(report["methods"])]
+    parts = [format_table(report["methods"]), format_trees(report["methods"]),
+             format_costs(report)]
     if report.get("categories"):
+        config = report.get("config", {})
         parts.append(format_categories(report["categories"],
-                                       report.get("config", {}).get("reference", "hf")))
+                                       config.get("speed_reference") or config.get("reference",
+                                                                                   "hf")))
     parts.append(report.get("greedy_summary", ""))
     for r in report["methods"]:
         for d in r.get("divergences") or []:

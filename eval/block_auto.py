@@ -21,13 +21,10 @@ Both live in ``<artifact>/tree_calibration.json`` beside trees' calibrations (ev
 from __future__ import annotations
 
 import os
-import statistics
-import time
 
 import torch
 
 from eval.engine import SpeculativeEngine
-from eval.sampling import SamplingParams
 from eval.tree_auto import (
     Calibration,
     _acceptance_problem,
@@ -41,8 +38,8 @@ from eval.tree_cost import (
     interpolate,
     machine_description,
     machine_key,
+    measure_draft_cost,
     measure_verify_cost,
-    sync,
 )
 from heads.dflash import block_mask
 from heads.target import Target
@@ -107,22 +104,12 @@ def block_acceptance(draft, target: Target, prompts: list[list[int]], *,
 
 @torch.no_grad()
 def measure_block_cost(proposer, target: Target, *, context: int = COST_CONTEXT,
-                       repeats: int = BLOCK_REPEATS, seed: int = 0) -> float:
-    """Median seconds of one block round's drafting (the block forward and its reading)."""
-    gen = torch.Generator().manual_seed(seed)
-    seq = torch.randint(0, target.vocab_size, (context + 1,), generator=gen).tolist()
-    ids = torch.tensor([seq[:context]], device=target.device)
-    states, _ = target.hidden_states(ids, list(proposer.draft.config.hidden_states_read))
-    proposer.start(seq[:context], [states[i] for i in proposer.hidden_layers],
-                   SamplingParams(temperature=0.0), None)
-    times = []
-    for _ in range(repeats + 1):  # propose leaves the context as it found it
-        sync(proposer.draft.device)
-        start = time.perf_counter()
-        proposer.propose(seq, proposer.tokens_per_round)
-        sync(proposer.draft.device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+                       repeats: int = BLOCK_REPEATS, seed: int = 0, compile: bool | str = False) -> float:
+    """Median seconds a block draft adds to a round (its block forward, reading the block,
+    committing the accepted states): whole rounds minus the engine's side
+    (:func:`eval.tree_cost.measure_draft_cost`)."""
+    return measure_draft_cost(proposer, target, context=context, repeats=repeats, seed=seed,
+                              compile=compile)
 
 
 def choose_block_length(rates: list[list[float]], verify_seconds: dict[int, float],
@@ -149,14 +136,15 @@ def auto_block_length(proposer, artifact: str | os.PathLike, target: Target, *,
                       draft_dtype: torch.dtype | None = None, calibration_prompts=None,
                       num_prompts: int = BLOCK_PROMPTS,
                       max_new_tokens: int = BLOCK_NEW_TOKENS,
-                      budget_seconds: float | None = None, **_) -> dict | None:
+                      budget_seconds: float | None = None, compile: bool | str = False,
+                      **_) -> dict | None:
     """Set the proposer's tokens per round to the best for this machine; -> the record (None:
     ``budget_seconds`` 0 and nothing stored, so the whole block is kept)."""
     calibration = Calibration.load(artifact)
     digest = artifact_weights_digest(artifact)
     changed = False
     acceptance = calibration.usable("acceptance", digest, _acceptance_problem)
-    key = machine_key(machine_description(target, draft_dtype))
+    key = machine_key(machine_description(target, draft_dtype, compile))
     stored = isinstance(calibration.machines.get(key), dict) and acceptance is not None
     if budget_seconds == 0 and not stored:
         log(f"{artifact}: --tree-calibration-seconds 0 and no stored calibration here: the "
@@ -171,14 +159,14 @@ def auto_block_length(proposer, artifact: str | os.PathLike, target: Target, *,
                       "num_prompts": len(prompts), "measured_at": _now()}
         calibration.acceptance = {digest: acceptance}
         changed = True
-    description = machine_description(target, draft_dtype)
+    description = machine_description(target, draft_dtype, compile)
     costs = calibration.machines.get(key)
     if not (isinstance(costs, dict) and "block_seconds" in costs):
         log(f"{artifact}: measuring this machine's cost of verification and of a block")
         most = proposer.draft.config.drafts_per_block
-        verify = measure_verify_cost(target, tuple(range(1, most + 2)))
+        verify = measure_verify_cost(target, tuple(range(1, most + 2)), compile=compile)
         costs = {"machine": description, "verify_seconds": {str(n): s for n, s in verify.items()},
-                 "block_seconds": measure_block_cost(proposer, target),
+                 "block_seconds": measure_block_cost(proposer, target, compile=compile),
                  "context": COST_CONTEXT, "measured_at": _now()}
         calibration.machines[key] = costs
         changed = True

@@ -47,6 +47,8 @@ from layouts.dflash import SPEC_TYPES, export_block, load_block_draft
 class BlockProposer(Proposer):
     """Chains from a DFlash or DSpark draft; see the module docstring."""
 
+    chains = True
+
     def __init__(self, draft: DFlashDraft, *, block_size: int | None = None,
                  min_confidence: float = 0.0, name: str = "dflash"):
         cfg = draft.config
@@ -199,6 +201,7 @@ def build_block(method: str):
         chosen = None
         if ctx.tree == TREE_AUTO and "block_size" not in options:  # a given size is kept
             chosen = auto_block_length(proposer, arg, ctx.target, draft_dtype=ctx.draft_dtype,
+                                       compile=ctx.compile,
                                        **ctx.tree_calibration)
         return EngineMethod(name, ctx.engine, proposer, chosen)
 

@@ -60,7 +60,7 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, model, *, max_depth: int = 6, min_confidence: float = 0.4,
                  branching: list[int] | None = None, children: str = "topk",
-                 name: str = "draft", compile: bool = False):
+                 name: str = "draft", compile: bool | str = False):
         if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 1:
             raise ValueError(f"max_depth must be an integer >= 1, got {max_depth!r}")
         if not 0.0 <= min_confidence <= 1.0:  # NaN fails too
@@ -79,6 +79,10 @@ class DraftModelProposer(Proposer):
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self._forms: dict[tuple[int, ...], StaticForm] = {}
+
+    @property
+    def chains(self) -> bool:
+        return self.branching is None
 
     def start(self, prompt_ids, hidden, params, generator) -> None:
         super().start(prompt_ids, hidden, params, generator)

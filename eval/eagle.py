@@ -96,7 +96,7 @@ class EagleProposer(Proposer):
         tree_nodes: int = DEFAULT_TREE_NODES,
         name: str = "eagle",
         prune: bool = True,
-        compile: bool = False,
+        compile: bool | str = False,
     ):
         for key, value in (("depth", depth), ("topk", topk), ("tree_nodes", tree_nodes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -115,7 +115,7 @@ class EagleProposer(Proposer):
                       depth: int = DEFAULT_DEPTH, topk: int = DEFAULT_TOPK,
                       tree_nodes: int = DEFAULT_TREE_NODES, dtype: torch.dtype | None = None,
                       name: str | None = None, allow_other_weights: bool = False,
-                      compile: bool = False) -> EagleProposer:
+                      compile: bool | str = False) -> EagleProposer:
         """Load an eagle1/eagle3 artifact for ``target`` and draft EAGLE-2 trees with it.
 
         ``dtype``: run the head in another precision than the target (e.g. bf16 beside an fp32
@@ -128,6 +128,10 @@ class EagleProposer(Proposer):
                                allow_other_weights=allow_other_weights).eval()
         return cls(head, depth=depth, topk=topk, tree_nodes=tree_nodes,
                    name=name or f"eagle:{path}", compile=compile)
+
+    @property
+    def chains(self) -> bool:
+        return self.topk == 1
 
     # -- cache bookkeeping -----------------------------------------------------------------------
 
@@ -304,7 +308,8 @@ def build_eagle(arg: str, name: str, ctx: BuildContext) -> EngineMethod:
                                            compile=ctx.compile, **options)
     chosen = None
     if caps is not None:
-        chosen = auto_eagle_tree(proposer, arg, ctx.target, draft_dtype=ctx.draft_dtype, **caps,
+        chosen = auto_eagle_tree(proposer, arg, ctx.target, draft_dtype=ctx.draft_dtype,
+                                 compile=ctx.compile, **caps,
                                  **ctx.tree_calibration)
     return EngineMethod(name, ctx.engine, proposer, chosen)
 

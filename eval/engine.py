@@ -151,7 +151,7 @@ class SpeculativeEngine:
     never part of a generation's ``seconds`` once warmed up.
     """
 
-    def __init__(self, target: Target, *, compile: bool = False):
+    def __init__(self, target: Target, *, compile: bool | str = False):
         self.target = target
         self.model = target.model
         self.device = target.device
@@ -265,7 +265,9 @@ class SpeculativeEngine:
         gen.acceptance.add_round(range(1, len(path) + 1), outcome.tried_depths)
         gen.accepted_lengths.append(len(path))
         keep = outcome.keep_index(self.device)
-        compact(state.cache, past, keep, len(path) + 1)
+        # a prefix of the verified block (plain decoding, a chain's accepted tokens) needs no copy
+        prefix = path == list(range(1, len(path) + 1))
+        compact(state.cache, past, None if prefix else keep, len(path) + 1)
 
         path_tokens = outcome.path_tokens
         if path_tokens is None:

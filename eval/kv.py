@@ -221,13 +221,17 @@ def crop(cache: Cache, length: int) -> None:
         cache.crop(length - current)
 
 
-def compact(cache: StaticCache, past: int, keep: torch.Tensor | list[int], count: int | None = None
-            ) -> None:
+def compact(cache: StaticCache, past: int, keep: torch.Tensor | list[int] | None,
+            count: int | None = None) -> None:
     """Keep the first ``past`` entries and, after them, the entries at offsets ``keep`` of the
     block the last forward appended (0 = its first entry), in order: ``count`` of them (default
     all of ``keep``). ``keep`` may live on the device (a round's accepted path): it is never read
-    on the host. A prefix (a chain's accepted tokens) needs no copy; the pointer moves either way.
+    on the host; None says the kept entries are the block's first ``count`` (a prefix, a chain's
+    accepted tokens), which needs no copy. The pointer moves either way.
     """
+    if keep is None:
+        cache.set_length(past + count)
+        return
     if not isinstance(keep, torch.Tensor):
         keep = list(keep)
         count = len(keep) if count is None else count

@@ -175,9 +175,10 @@ class EngineRun:
     methods: list
     prompts: list[list[int]]
     target: Target
-    reference: str  # the speedup baseline and the greedy reference
+    reference: str  # the greedy reference (and the speedup baseline unless speed_reference)
     tie_dtype: torch.dtype  # the precision near-ties are judged at
     config: dict
+    speed_reference: str | None = None  # the speedup baseline when not the greedy reference
 
 
 def llama_engine(args, prompt_set, specs: list[str], stack: contextlib.ExitStack) -> EngineRun:

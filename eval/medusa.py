@@ -292,6 +292,7 @@ def build_medusa(arg: str, name: str, ctx: BuildContext) -> EngineMethod:
     chosen = None
     if caps is not None:
         paths, chosen = auto_medusa_tree(path, ctx.target, proposer.heads, proposer.tree_info,
+                                         compile=ctx.compile, proposer=proposer,
                                          **caps, **ctx.tree_calibration)
         proposer.set_tree(paths)
     return EngineMethod(name, ctx.engine, proposer, chosen)

@@ -59,6 +59,7 @@ class BenchMethod:
 BENCH_METHODS: dict[str, BenchMethod] = {
     "plain": BenchMethod("plain", baselines.build_plain, serve=baselines.serve_plain),
     "hf": BenchMethod("hf", baselines.build_hf),
+    "hf-static": BenchMethod("hf-static", baselines.build_hf_static),
     "pld": BenchMethod("pld", baselines.build_pld, kind="pld", flags=baselines.PLD_FLAGS,
                        owner=baselines.NgramProposer),
     "hf-pld": BenchMethod("hf-pld", baselines.build_hf_pld, kind="pld"),
@@ -140,7 +141,8 @@ def options_from_args(args: argparse.Namespace, kind: str) -> dict:
 
 def build_methods(specs: list[str], target: Target, *, options: dict[str, dict] | None = None,
                   draft_dtype=None, allow_other_weights: bool = False, tree: str = TREE_FIXED,
-                  tree_calibration: dict | None = None) -> list[Method]:
+                  tree_calibration: dict | None = None, compile: bool | str = False,
+                  max_cache_len: int | None = None) -> list[Method]:
     """Method names -> runnable methods (drafts loaded once and shared).
 
     ``options``: option kind -> keyword options of that kind's proposer; ``draft_dtype``: the
@@ -149,13 +151,16 @@ def build_methods(specs: list[str], target: Target, *, options: dict[str, dict] 
     ``tree="auto"``: trees are chosen by expected tokens/s on this machine (eval.tree_auto); the
     depth / topk / tree_nodes options then cap the search. ``tree_calibration``: keyword options
     of the acceptance measurement (calibration_prompts, num_prompts, max_new_tokens) for
-    artifacts that have none.
+    artifacts that have none. ``compile``: the engine's and the drafts' forwards compiled
+    (eval.forward.COMPILE_MODES); ``max_cache_len``: the longest prompt plus the new tokens
+    (transformers' static cache is sized with it).
     """
     if tree not in TREE_MODES:
         raise ValueError(f"tree must be one of {', '.join(TREE_MODES)}, got {tree!r}")
-    ctx = BuildContext(target, SpeculativeEngine(target), dict(options or {}),
+    ctx = BuildContext(target, SpeculativeEngine(target, compile=compile), dict(options or {}),
                        draft_dtype=draft_dtype, allow_other_weights=allow_other_weights,
-                       tree=tree, tree_calibration=dict(tree_calibration or {}))
+                       tree=tree, tree_calibration=dict(tree_calibration or {}),
+                       compile=compile, max_cache_len=max_cache_len)
     methods = []
     for spec in specs:
         row, arg = resolve(spec)

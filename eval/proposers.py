@@ -28,6 +28,7 @@ class Proposer:
     name = "plain"
     hidden_layers: tuple[int, ...] = ()
     exact = True
+    chains = False  # it drafts chains only (the cost model times chain rounds for it)
 
     def start(self, prompt_ids: list[int], hidden, params: SamplingParams, generator) -> None:
         self.params = params
@@ -63,6 +64,10 @@ class NgramProposer(Proposer):
             raise ValueError(f"need min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.max_depth, self.max_branches, self.tree_nodes = max_depth, max_branches, tree_nodes
+
+    @property
+    def chains(self) -> bool:
+        return self.max_branches == 1
 
     def propose(self, seq: list[int], max_depth: int) -> DraftTree | None:
         depth = min(self.max_depth, max_depth)

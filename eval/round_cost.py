@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import random
 import statistics
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -164,40 +165,96 @@ class ReplayTree(Proposer):
                                       ancestors=ancestors, depths=depths, host_parents=host)
 
 
+class timed_proposer:
+    """Within the block, ``proposer``'s ``propose`` and ``observe`` are timed (the device
+    synchronised around each): ``.propose`` and ``.observe`` collect their seconds."""
+
+    def __init__(self, proposer, device: torch.device):
+        self.proposer, self.device = proposer, device
+        self.propose: list[float] = []
+        self.observe: list[float] = []
+
+    def _wrap(self, name: str, into: list[float]):
+        original = getattr(self.proposer, name)
+
+        def timed(*args, **kwargs):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            started = time.perf_counter()
+            out = original(*args, **kwargs)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            into.append(time.perf_counter() - started)
+            return out
+        return timed
+
+    def __enter__(self) -> timed_proposer:
+        self.proposer.propose = self._wrap("propose", self.propose)
+        self.proposer.observe = self._wrap("observe", self.observe)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.proposer.propose, self.proposer.observe
+
+    def seconds(self) -> float:
+        """A round's drafting: the median propose and the median observe."""
+        return (statistics.median(self.propose) if self.propose else 0.0) + (
+            statistics.median(self.observe) if self.observe else 0.0)
+
+
 def _context_prompt(vocab: int, length: int, seed: int) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (length,), generator=gen).tolist()
 
 
 def _rounds(engine, proposer, prompt: list[int], rounds: int,
-            params: SamplingParams | None = None) -> list[tuple[int, int, float]]:
-    """(draft tokens, cached tokens, seconds) of ``rounds`` rounds after ``prompt``."""
-    state = engine.begin(prompt, rounds + 1, params or SamplingParams(), proposer, seed=0,
+            params: SamplingParams | None = None, room: int = 64) -> list[tuple[int, int, float]]:
+    """(draft tokens, cached tokens, seconds) of ``rounds`` rounds after ``prompt``, each with
+    room for ``room`` draft tokens (fewer where the target's context ends)."""
+    budget = min(rounds * (room + 1) + 1, engine.target.max_context - len(prompt))
+    state = engine.begin(prompt, budget, params or SamplingParams(), proposer, seed=0,
                          stop_at_eos=False)
-    while not state.done:
+    for _ in range(rounds):
+        if state.done:
+            break
         engine.step(state)
     return state.gen.rounds
+
+
+def fitting(max_context: int, sizes, contexts) -> tuple[list[int], tuple[int, ...]]:
+    """The sizes and contexts that fit a target's context (a small test model's, say): sizes up
+    to a quarter of it, contexts that leave room for a pass over every size."""
+    sizes = sorted({n for n in sizes if n <= max_context // 4} | {0, 1})
+    room = len(sizes) + sizes[-1] + 2
+    kept = tuple(c for c in contexts if c + room <= max_context)
+    return sizes, kept or (max(4, (max_context - room) // 2),)
+
+
+def replay_rounds(engine, sizes, context: int, passes: int, *, kind: str = "tree",
+                  seed: int = 0) -> list[tuple[int, int, float]]:
+    """``passes`` passes over ``sizes``, each a generation after the same ``context`` random
+    tokens (so the context stays put), rounds of :class:`ReplayTree`."""
+    target = engine.target
+    prompt = _context_prompt(target.vocab_size, context, seed)
+    rounds = []
+    for _ in range(passes):
+        proposer = ReplayTree(sizes, engine.device, target.vocab_size, kind, seed=seed)
+        rounds += _rounds(engine, proposer, prompt, len(sizes), room=max(sizes))
+    return rounds
 
 
 def engine_costs(engine, sizes=ROUND_SIZES, contexts=COST_CONTEXTS, repeats: int = COST_REPEATS,
                  kinds=KINDS) -> RoundCosts:
     """The engine's side of a round, ``E(n, c)`` (see the module docstring)."""
-    target = engine.target
-    sizes = sorted(set(sizes) | {0})
-    largest = max(contexts) + (repeats + 1) * (max(sizes) + 1) * len(sizes) + 1
-    if largest > target.max_context:
-        raise ValueError(f"timing rounds after {max(contexts)} tokens needs a context of "
-                         f"{largest}; the target's is {target.max_context}")
+    sizes, contexts = fitting(engine.target.max_context, sizes, contexts)
     table: dict[str, dict[int, tuple[float, float]]] = {}
     for kind in kinds:
         points: dict[int, list[tuple[float, float]]] = {n: [] for n in sizes}
         for i, context in enumerate(contexts):
-            proposer = ReplayTree(sizes, engine.device, target.vocab_size, kind, seed=i)
-            rounds = _rounds(engine, proposer, _context_prompt(target.vocab_size, context, i),
-                             len(sizes) * (repeats + 1))
+            rounds = replay_rounds(engine, sizes, context, repeats + 1, kind=kind, seed=i)
             for n, past, seconds in rounds[len(sizes):]:  # the first pass warms up
                 points[n].append((past, seconds))
-        table[kind] = {n: _fit(_robust(p)) for n, p in points.items()}
+        table[kind] = {n: _fit(_robust(p)) for n, p in points.items() if p}
     return RoundCosts(table, None, tuple(contexts))
 
 
@@ -207,6 +264,7 @@ def draft_costs(engine, proposer, costs: RoundCosts, prompts: list[list[int]], *
     """A proposer's side of a round, ``D(c)`` (see the module docstring): its own rounds after
     each prompt cut or repeated to each context length, minus the engine's side."""
     points = []
+    _, contexts = fitting(engine.target.max_context - rounds - 4, ROUND_SIZES, contexts)
     for i, context in enumerate(contexts):
         prompt = list(prompts[i % len(prompts)])
         prompt = (prompt * (context // max(1, len(prompt)) + 1))[:context]
@@ -220,3 +278,50 @@ def predict_seconds(costs: RoundCosts, rounds: list[tuple[int, int, float]],
                     kind: str = "tree") -> float:
     """The seconds the cost model gives the rounds that ran (their sizes and contexts)."""
     return sum(costs.round_seconds(n, past, kind) for n, past, _ in rounds)
+
+
+PREDICTION_FLAG = 0.15  # a prediction further than this from the measured figure is flagged
+
+
+def cost_model_records(methods, records: list[dict], runs, prompts: list[list[int]],
+                       params: SamplingParams | None = None) -> dict | None:
+    """The cost model of every engine method of a benchmark, measured after its runs, and what
+    it predicts for the rounds that ran beside what they took (in place: each record's
+    ``cost_model``); -> the engine's costs (None: no engine method)."""
+    from eval.runners import EngineMethod
+
+    engine_methods = [m for m in methods if isinstance(m, EngineMethod)]
+    if not engine_methods:
+        return None
+    engine = engine_methods[0].engine
+    kinds = sorted({"chain" if getattr(m.proposer, "chains", False) else "tree"
+                    for m in engine_methods})
+    started = time.perf_counter()
+    costs = engine_costs(engine, kinds=kinds)
+    for method, record, run in zip(methods, records, runs, strict=True):
+        if not isinstance(method, EngineMethod):
+            continue
+        kind = "chain" if getattr(method.proposer, "chains", False) else "tree"
+        draft = None
+        if method.proposer is not None:
+            draft = draft_costs(engine, method.proposer, costs, prompts[:2], kind=kind,
+                                params=params)
+        model = costs.with_draft(draft)
+        rounds = [r for repeat in run.runs for prompt in repeat for r in (prompt.rounds or [])]
+        if not rounds:
+            continue
+        measured = sum(seconds for *_, seconds in rounds)
+        predicted = predict_seconds(model, rounds, kind)
+        tokens = sum(prompt.decode_tokens for repeat in run.runs for prompt in repeat)
+        error = measured / predicted - 1 if predicted else None  # predicted tok/s vs measured
+        record["cost_model"] = {
+            "kind": kind, "draft_seconds_line": None if draft is None else list(draft),
+            "predicted_decode_seconds": round(predicted, 3),
+            "measured_decode_seconds": round(measured, 3),
+            "predicted_decode_tokens_per_s": round(tokens / predicted, 3) if predicted else None,
+            "measured_decode_tokens_per_s": round(tokens / measured, 3) if measured else None,
+            "prediction_error": None if error is None else round(error, 4),
+            "flagged": error is not None and abs(error) > PREDICTION_FLAG,
+        }
+    return {**costs.to_dict(), "seconds": round(time.perf_counter() - started, 1),
+            "flag_beyond": PREDICTION_FLAG}

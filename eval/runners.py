@@ -60,7 +60,8 @@ class EngineMethod(Method):
 
     def run(self, prompt_ids, max_new_tokens, params, seed):
         g = self.engine.generate(prompt_ids, max_new_tokens, params, self.proposer, seed=seed)
-        return PromptRun(g.tokens, g.seconds, g.target_passes, g.acceptance, g.accepted_lengths)
+        return PromptRun(g.tokens, g.seconds, g.target_passes, g.acceptance, g.accepted_lengths,
+                         g.rounds, g.host_reads)
 
     def trace(self, prompt_ids, max_new_tokens, params):
         g = self.engine.generate(prompt_ids, max_new_tokens, params, self.proposer, seed=0,
@@ -155,7 +156,8 @@ class BuildContext:
     allow_other_weights: bool = False
     tree: str = TREE_FIXED
     tree_calibration: dict = field(default_factory=dict)
-    compile: bool = False
+    compile: bool | str = False
+    max_cache_len: int | None = None
     _drafts: dict[str, torch.nn.Module] = field(default_factory=dict)
 
     def kind_options(self, kind: str) -> dict:

@@ -55,6 +55,9 @@ class PromptRun:
     target_passes: int  # decoding forwards of the target, prefill excluded
     acceptance: DepthCounts | None = None  # None: the method does not expose it (transformers)
     accepted_lengths: list[int] | None = None  # accepted draft tokens per round
+    # our engine's rounds: (draft tokens, tokens cached, seconds) each; its reads of the device
+    rounds: list[tuple[int, int, float]] | None = None
+    host_reads: int | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -114,9 +117,31 @@ def bootstrap_interval(num: np.ndarray, den: np.ndarray, ref_num: np.ndarray | N
     return [float(lo), float(hi)]
 
 
+def _speedup(tokens, seconds, other: MethodRuns, index: list[int], seed: int
+             ) -> tuple[float | None, list[float] | None, list | None]:
+    """tokens/s over ``other``'s on the same prompts: the ratio, its 95% interval, per repeat."""
+    ref_tokens = _per_prompt(other.runs, index, "new_tokens")
+    ref_seconds = _per_prompt(other.runs, index, "seconds")
+    tps, ref_tps = _ratio(tokens.sum(), seconds.sum()), _ratio(ref_tokens.sum(), ref_seconds.sum())
+    ratio = _round(tps / ref_tps) if tps and ref_tps else None
+    interval = bootstrap_interval(tokens.sum(0), seconds.sum(0), ref_tokens.sum(0),
+                                  ref_seconds.sum(0), seed=seed)
+    repeats = None
+    if len(tokens) > 1:
+        repeats = [_round(_ratio(t.sum(), s.sum()) / _ratio(rt.sum(), rs.sum()))
+                   if s.sum() and rs.sum() and rt.sum() else None
+                   for t, s, rt, rs in zip(tokens, seconds, ref_tokens, ref_seconds)]
+    return ratio, None if interval is None else [_round(v) for v in interval], repeats
+
+
 def summarise_method(method: MethodRuns, reference: MethodRuns | None, index: list[int],
-                     greedy: bool, seed: int = 0, per_prompt: bool = True) -> dict:
-    """The report record of one method over the prompts ``index`` (all repeats)."""
+                     greedy: bool, seed: int = 0, per_prompt: bool = True,
+                     speed_reference: MethodRuns | None = None) -> dict:
+    """The report record of one method over the prompts ``index`` (all repeats).
+
+    ``speedup`` is over ``speed_reference`` (our engine's plain decoding) when given, else over
+    ``reference``; greedy equality is always against ``reference`` (transformers' generate),
+    whose ratio is then ``speedup_vs_<reference>`` beside it."""
     runs = method.runs
     tokens = _per_prompt(runs, index, "new_tokens")
     seconds = _per_prompt(runs, index, "seconds")
@@ -159,20 +184,27 @@ def summarise_method(method: MethodRuns, reference: MethodRuns | None, index: li
         record["accepted_per_depth"] = total.accepted_per_depth
         record["tried_per_depth"] = total.tried_per_depth
         record["accepted_length_histogram"] = histogram
+    speed = speed_reference or reference
+    if speed is not None:
+        record["speedup"], record["speedup_ci95"], per_repeat = _speedup(
+            tokens, seconds, speed, index, seed)
+        if per_repeat is not None:
+            record["speedup_per_repeat"] = per_repeat
+    if reference is not None and speed_reference is not None:
+        ratio, interval, _ = _speedup(tokens, seconds, reference, index, seed)
+        record[f"speedup_vs_{reference.name}"] = ratio
+        record[f"speedup_vs_{reference.name}_ci95"] = interval
+    engine_runs = [rep[i] for rep in runs for i in index if rep[i].rounds is not None]
+    if engine_runs:  # our engine: its rounds and its reads of the device
+        rounds = sum(len(r.rounds) for r in engine_runs)
+        decode_seconds = sum(sec for r in engine_runs for _, _, sec in r.rounds)
+        record["rounds"] = rounds
+        record["host_reads_per_round"] = _round(_ratio(sum(r.host_reads for r in engine_runs),
+                                                       rounds), 3)
+        record["decode_seconds"] = _round(decode_seconds, 3)
+        record["decode_tokens_per_s"] = _round(
+            _ratio(sum(r.decode_tokens for r in engine_runs), decode_seconds), 3)
     if reference is not None:
-        ref_tokens = _per_prompt(reference.runs, index, "new_tokens")
-        ref_seconds = _per_prompt(reference.runs, index, "seconds")
-        ref_tps = _ratio(ref_tokens.sum(), ref_seconds.sum())
-        if tps and ref_tps:
-            record["speedup"] = _round(tps / ref_tps)
-        interval = bootstrap_interval(tokens.sum(0), seconds.sum(0), ref_tokens.sum(0),
-                                      ref_seconds.sum(0), seed=seed)
-        record["speedup_ci95"] = None if interval is None else [_round(v) for v in interval]
-        if len(runs) > 1:
-            record["speedup_per_repeat"] = [
-                _round(_ratio(t.sum(), s.sum()) / _ratio(rt.sum(), rs.sum()))
-                if s.sum() and rs.sum() and rt.sum() else None
-                for t, s, rt, rs in zip(tokens, seconds, ref_tokens, ref_seconds)]
         if greedy:
             differ = [i for i in index
                       if any(rep[i].tokens != ref_rep[i].tokens
@@ -191,11 +223,15 @@ def summarise_method(method: MethodRuns, reference: MethodRuns | None, index: li
 
 
 def summarise(methods: list[MethodRuns], prompts: list[Prompt], greedy: bool,
-              reference: str = "hf", seed: int = 0) -> dict:
-    """Records over all prompts, and per category when the prompts carry categories."""
+              reference: str = "hf", seed: int = 0, speed_reference: str | None = None) -> dict:
+    """Records over all prompts, and per category when the prompts carry categories; speedups
+    over ``speed_reference`` when given (else ``reference``), greedy equality with
+    ``reference``."""
     ref = next((m for m in methods if m.name == reference), None)
+    speed = next((m for m in methods if m.name == speed_reference), None)
     everything = list(range(len(prompts)))
-    overall = [summarise_method(m, ref, everything, greedy, seed) for m in methods]
+    overall = [summarise_method(m, ref, everything, greedy, seed, speed_reference=speed)
+               for m in methods]
     categories = []
     names = list(dict.fromkeys(p.category for p in prompts if p.category is not None))
     if names:
@@ -206,8 +242,8 @@ def summarise(methods: list[MethodRuns], prompts: list[Prompt], greedy: bool,
         for name, index in groups.items():
             categories.append({
                 "category": name, "num_prompts": len(index),
-                "methods": [summarise_method(m, ref, index, greedy, seed, per_prompt=False)
-                            for m in methods],
+                "methods": [summarise_method(m, ref, index, greedy, seed, per_prompt=False,
+                                             speed_reference=speed) for m in methods],
             })
     return {"methods": overall, "categories": categories}
 

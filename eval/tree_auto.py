@@ -57,6 +57,7 @@ from eval.tree_cost import (
     interpolate,
     machine_description,
     machine_key,
+    measure_draft_cost,
     measure_eagle_draft_cost,
     measure_head_cost,
     measure_verify_cost,
@@ -519,7 +520,8 @@ def auto_eagle_tree(proposer, artifact: str | os.PathLike, target: Target, *,
                     calibration_prompts=DEFAULT_CALIBRATION_PROMPTS,
                     num_prompts: int = CALIBRATION_NUM_PROMPTS,
                     max_new_tokens: int = CALIBRATION_NEW_TOKENS,
-                    budget_seconds: float | None = CALIBRATION_BUDGET_S) -> dict | None:
+                    budget_seconds: float | None = CALIBRATION_BUDGET_S,
+                    compile: bool | str = False) -> dict | None:
     """Choose and set the proposer's depth, topk and node count; returns the tree record.
 
     Reads ``<artifact>/tree_calibration.json``; measures what it lacks (acceptance for these
@@ -533,7 +535,7 @@ def auto_eagle_tree(proposer, artifact: str | os.PathLike, target: Target, *,
     calibration = Calibration.load(artifact)
     digest = artifact_weights_digest(artifact)
     acceptance = calibration.usable("acceptance", digest, _acceptance_problem)
-    description = machine_description(target, draft_dtype)
+    description = machine_description(target, draft_dtype, compile)
     key = machine_key(description)
     costs = calibration.usable("machines", key, lambda e: _costs_problem(e, ("draft_seconds",)))
     plan = _plan(artifact, target, acceptance=acceptance is None, costs=costs is None, eagle=True,
@@ -563,10 +565,11 @@ def auto_eagle_tree(proposer, artifact: str | os.PathLike, target: Target, *,
                if others else ""))
         started = time.perf_counter()
         verify = measure_verify_cost(target, plan.sizes, context=COST_CONTEXT,
-                                     repeats=plan.repeats)
+                                     repeats=plan.repeats, compile=compile)
         depths = range(1, MAX_DEPTH + 1)
         draft = measure_eagle_draft_cost(proposer, target, depths, plan.topks,
-                                         repeats=min(DRAFT_REPEATS, plan.repeats))
+                                         repeats=min(DRAFT_REPEATS, plan.repeats),
+                                         compile=compile)
         costs = {"machine": description,
                  "verify_seconds": {str(n): s for n, s in verify.items()},
                  "draft_seconds": {f"{d},{k}": s for (d, k), s in draft.items()},
@@ -648,14 +651,15 @@ def auto_medusa_tree(artifact: str | os.PathLike, target: Target, heads, tree_in
                      num_prompts: int = CALIBRATION_NUM_PROMPTS,
                      max_new_tokens: int = CALIBRATION_NEW_TOKENS,
                      budget_seconds: float | None = CALIBRATION_BUDGET_S,
-                     ) -> tuple[list, dict | None]:
+                     compile: bool | str = False, proposer=None) -> tuple[list, dict | None]:
     """The Medusa tree whose size maximises expected tokens/s here -> (tree, record).
 
     The accuracies are the artifact's stored held-out ones (``tree_info["rank_accuracies"]``),
     else measured on ``calibration_prompts`` and kept in the calibration file; the costs
     (verification, the heads' proposal) are this machine's, measured once and kept. What is
     missing is measured within ``budget_seconds``, said beforehand; when it may not be measured,
-    (the artifact's own tree, None).
+    (the artifact's own tree, None). ``proposer``: the artifact's MedusaProposer, whose rounds
+    time the heads' side of a round (else the heads' proposal alone is timed).
     """
     calibration = Calibration.load(artifact)
     acc = tree_info.get("rank_accuracies")
@@ -665,7 +669,7 @@ def auto_medusa_tree(artifact: str | os.PathLike, target: Target, heads, tree_in
         stats = calibration.usable("acceptance", digest, _acceptance_problem)
         if stats is not None:
             acc, source = stats["rank_accuracies"], f"accuracies measured on {stats['prompts']}"
-    description = machine_description(target, None)
+    description = machine_description(target, None, compile)
     key = machine_key(description)
     stored_costs = calibration.usable("machines", key,
                                       lambda e: _costs_problem(e, ("head_seconds",)))
@@ -714,10 +718,16 @@ def auto_medusa_tree(artifact: str | os.PathLike, target: Target, heads, tree_in
             + (f" ({others} calibration(s) from other machines are not used here)"
                if others else ""))
         verify = measure_verify_cost(target, plan.sizes, context=COST_CONTEXT,
-                                     repeats=plan.repeats)
+                                     repeats=plan.repeats, compile=compile)
+        if proposer is not None:  # the deepest, widest tree the search may choose drafts most
+            proposer.set_tree([(r,) for r in range(topk)] + [
+                (0,) * d for d in range(2, depth + 1)])
+            head = measure_draft_cost(proposer, target, repeats=plan.repeats, compile=compile)
+        else:
+            head = measure_head_cost(heads, depth=depth, topk=topk)
         costs = {"machine": description,
                  "verify_seconds": {str(n): s for n, s in verify.items()},
-                 "head_seconds": measure_head_cost(heads, depth=depth, topk=topk),
+                 "head_seconds": head,
                  "head_shape": [depth, topk], "context": COST_CONTEXT, "measured_at": _now()}
         calibration.machines[key] = costs
     changed = plan is not None

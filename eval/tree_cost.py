@@ -25,15 +25,17 @@ from pathlib import Path
 
 import torch
 
-from eval.kv import crop
+from eval.forward import compile_mode
 from heads.medusa import MedusaHeads
-from heads.target import Target, dtype_name, tree_attention_mask
+from heads.target import Target, dtype_name
 
 # verification sizes timed (1 = plain decoding); small ones densely, where CPU optima lie
 TIMED_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 COST_CONTEXT = 128  # tokens already cached when a verification or a draft round is timed
 COST_REPEATS = 9  # timings per size (the median is kept): a few % of noise moves a CPU's optimum
 TOPK_CHOICES = (1, 2, 3, 4, 6, 8)  # the EAGLE tree branchings whose draft rounds are timed
+# the round whose costs these are: a calibration timed with another engine is measured again
+ENGINE_ROUND = "static caches, device acceptance, one host read"
 
 
 def sync(device: torch.device) -> None:
@@ -51,8 +53,10 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_description(target: Target, draft_dtype: torch.dtype | None) -> dict:
-    """What the measured costs depend on: device, its model, threads, software, shapes, precisions."""
+def machine_description(target: Target, draft_dtype: torch.dtype | None,
+                        compile: bool | str = False) -> dict:
+    """What the measured costs depend on: device, its model, threads, software, shapes,
+    precisions, and how the engine runs (its round, compiled or not)."""
     device = target.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model()
     cfg = target.config
@@ -67,6 +71,8 @@ def machine_description(target: Target, draft_dtype: torch.dtype | None) -> dict
         "attn_implementation": getattr(cfg, "_attn_implementation", None),
         "target_dtype": dtype_name(target.dtype),
         "draft_dtype": dtype_name(draft_dtype or target.dtype),
+        "engine": ENGINE_ROUND,
+        "compiled": compile_mode(compile),
     }
 
 
@@ -77,51 +83,32 @@ def machine_key(description: dict) -> str:
 
 @torch.no_grad()
 def measure_verify_cost(target: Target, sizes=TIMED_SIZES, context: int = COST_CONTEXT,
-                        repeats: int = COST_REPEATS, seed: int = 0) -> dict[int, float]:
-    """Median seconds of one verification forward over n tokens (root + n-1 tree nodes).
-
-    The forward is the engine's: ``context`` tokens already cached, a 4-D tree mask and per-node
-    positions for n > 1, the final hidden state collected, the cache cropped back afterwards.
+                        repeats: int = COST_REPEATS, seed: int = 0, *,
+                        compile: bool | str = False) -> dict[int, float]:
+    """Median seconds of the engine's side of a round verifying n tokens (root + n-1 tree
+    nodes; n = 1 is plain decoding) with ``context`` tokens cached: whole rounds of the engine
+    (its forward, mask, acceptance, host read and compaction), from a proposer whose trees cost
+    nothing to propose (:class:`eval.round_cost.ReplayTree`), sizes interleaved so drifting load
+    hits them alike. ``compile``: the engine's compiled forward (compiling happens first, apart).
     """
-    from transformers import DynamicCache
+    from eval.engine import SpeculativeEngine
+    from eval.round_cost import replay_rounds
 
     sizes = sorted({int(n) for n in sizes})
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if not sizes or sizes[0] < 1:
         raise ValueError(f"sizes must be token counts >= 1, got {sizes}")
-    if context < 1 or context + sizes[-1] > target.max_context:
-        raise ValueError(f"context {context} + {sizes[-1]} tokens must fit the target's context "
-                         f"of {target.max_context}")
-    model, device, dtype = target.model, target.device, target.dtype
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, target.vocab_size, (1, context + sizes[-1]), generator=gen)
-    cache = DynamicCache(config=model.config)
-    model(input_ids=ids[:, :context].to(device), cache=cache, use_cache=True, logits_to_keep=1)
-    calls = {}
-    for n in sizes:
-        kwargs = {}
-        if n > 1:
-            # the mask's shape sets the cost of the forward, not its pattern: a chain will do
-            allowed = torch.ones(n, n, dtype=torch.bool).tril()
-            kwargs["attention_mask"] = tree_attention_mask(allowed, context, dtype, device)
-            kwargs["position_ids"] = torch.arange(context, context + n, device=device)[None]
-        calls[n] = (ids[:, context:context + n].to(device), kwargs)
+    if context < 1 or context + len(sizes) + sizes[-1] + 1 > target.max_context:
+        raise ValueError(f"context {context} + a pass over {len(sizes)} sizes of up to "
+                         f"{sizes[-1]} tokens must fit the target's context of "
+                         f"{target.max_context}")
+    engine = SpeculativeEngine(target, compile=compile)
+    timed = replay_rounds(engine, [n - 1 for n in sizes], context, repeats + 1, seed=seed)
     times: dict[int, list[float]] = {n: [] for n in sizes}
-    # sizes interleaved within each repeat, so drifting machine load hits them alike; the first
-    # repeat pays for warm-up and is dropped
-    for _ in range(repeats + 1):
-        for n in sizes:
-            block, kwargs = calls[n]
-            sync(device)
-            start = time.perf_counter()
-            out = model(input_ids=block, cache=cache, use_cache=True, output_hidden_states=True,
-                        **kwargs)
-            out.hidden_states[target.num_layers].sum().item()
-            sync(device)
-            times[n].append(time.perf_counter() - start)
-            cache.crop(-n)  # drop the n verified tokens (transformers 5: a negative count)
-    return {n: statistics.median(t[1:]) for n, t in times.items()}
+    for n, _, seconds in timed[len(sizes):]:  # the first pass warms up
+        times[n + 1].append(seconds)
+    return {n: statistics.median(t) for n, t in times.items() if t}
 
 
 @torch.no_grad()
@@ -148,42 +135,46 @@ def measure_head_cost(heads: MedusaHeads, depth: int | None = None, topk: int = 
 
 @torch.no_grad()
 def measure_eagle_draft_cost(proposer, target: Target, depths, topks, *,
-                             context: int = COST_CONTEXT, accepted: int = 1,
-                             repeats: int = 5, seed: int = 0) -> dict[tuple[int, int], float]:
-    """Median seconds of one EAGLE draft round per (depth, topk): catching up on ``accepted``
-    verified tokens, then the EAGLE-2 tree. The head's cache holds ``context`` entries."""
-    head = proposer.head
-    gen = torch.Generator().manual_seed(seed)
-    seq = torch.randint(0, target.vocab_size, (context + 1,), generator=gen).tolist()
-    out = target.model(input_ids=torch.tensor([seq[:context]], device=target.device),
-                       output_hidden_states=True, use_cache=False, logits_to_keep=1)
-    hidden = [out.hidden_states[i] for i in proposer.hidden_layers]
-    proposer.start(seq[:context], hidden, None, None)  # catches up on context - 1 entries
-    fused = proposer._fuse(hidden)  # (1, context, h)
-    saved = (proposer.root_hidden, proposer.root_logits)
-    base = proposer.cached
+                             context: int = COST_CONTEXT, repeats: int = 5, seed: int = 0,
+                             compile: bool | str = False) -> dict[tuple[int, int], float]:
+    """Median seconds an EAGLE proposer adds to a round, per (depth, topk): its ``propose``
+    (catching up on the accepted tokens, the expansion, the tree) and ``observe``, timed inside
+    whole rounds of the engine after ``context`` tokens, with every frontier row of that depth
+    and branching expanded (``depth * topk`` nodes: the most the shape costs)."""
+    from eval.engine import SpeculativeEngine
+    from eval.round_cost import _context_prompt, _rounds, timed_proposer
+
+    engine = SpeculativeEngine(target, compile=compile)
+    prompt = _context_prompt(target.vocab_size, context, seed)
     settings = (proposer.depth, proposer.topk, proposer.tree_nodes)
-    times: dict[tuple[int, int], list[float]] = {(d, k): [] for d in depths for k in topks}
+    found = {}
     try:
-        for _ in range(repeats + 1):
-            for d, k in times:
-                proposer.depth, proposer.topk = d, k
-                # every scored child may enter the tree, so nothing is pruned: the full
-                # expansion's cost, an upper bound on a smaller tree's (see eval.eagle)
-                proposer.tree_nodes = k + (d - 1) * k * k
-                # rewind: the last ``accepted`` entries are to be caught up on again
-                crop(proposer.cache, base - accepted)
-                proposer.cached = base - accepted
-                proposer.pending = fused[:, base - accepted: base + 1]
-                sync(head.device)
-                start = time.perf_counter()
-                proposer.propose(seq, d)
-                sync(head.device)
-                times[(d, k)].append(time.perf_counter() - start)
+        for d in depths:
+            for k in topks:
+                proposer.depth, proposer.topk, proposer.tree_nodes = d, k, d * k
+                _rounds(engine, proposer, prompt, 1)  # a new shape compiles, warms up
+                with timed_proposer(proposer, engine.device) as timing:
+                    _rounds(engine, proposer, prompt, repeats)
+                found[(d, k)] = timing.seconds()
     finally:
         proposer.depth, proposer.topk, proposer.tree_nodes = settings
-        proposer.root_hidden, proposer.root_logits = saved
-    return {key: statistics.median(t[1:]) for key, t in times.items()}
+    return found
+
+
+@torch.no_grad()
+def measure_draft_cost(proposer, target: Target, *, context: int = COST_CONTEXT,
+                       repeats: int = 5, seed: int = 0, compile: bool | str = False) -> float:
+    """Median seconds ``proposer`` adds to a round as it drafts now: whole rounds of the engine
+    with it after ``context`` tokens, minus the engine's side of rounds of the same sizes."""
+    from eval.engine import SpeculativeEngine
+    from eval.round_cost import _context_prompt, _rounds
+
+    engine = SpeculativeEngine(target, compile=compile)
+    timed = _rounds(engine, proposer, _context_prompt(target.vocab_size, context, seed),
+                    repeats + 1)[1:]  # the first warms up
+    verify = measure_verify_cost(target, sorted({n + 1 for n, _, _ in timed} | {1}),
+                                 context=context, repeats=repeats, seed=seed, compile=compile)
+    return max(0.0, statistics.median(s - verify[n + 1] for n, _, s in timed))
 
 
 def interpolate(costs: dict[int, float], n: int) -> float:

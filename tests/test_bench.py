@@ -275,7 +275,14 @@ def test_report_has_intervals_repeats_and_categories(run):
         assert len(r["speedup_per_repeat"]) == 2
         assert np.array(r["per_prompt"]["seconds"]).shape == (2, 6)
         assert r["greedy_identical"] is True and r["greedy_verdict"] == "identical"
-    assert by_name["hf"]["speedup"] == 1.0 and by_name["plain"]["tau"] == 1.0
+    # speedup is over our engine's plain decoding; transformers' generate is a peer with its own
+    assert by_name["plain"]["speedup"] == 1.0 and by_name["plain"]["tau"] == 1.0
+    assert by_name["hf"]["speedup_vs_hf"] == 1.0
+    assert by_name["plain"]["host_reads_per_round"] == 1.0
+    for name in ("plain", "pld", "draft:truncate:1"):  # predicted beside measured, every round
+        model = by_name[name]["cost_model"]
+        assert model["predicted_decode_seconds"] > 0 and model["measured_decode_seconds"] > 0
+    assert "cost_model" not in by_name["hf"]
     assert by_name["pld"]["tau"] > 1 and by_name["pld"]["accepted_length_histogram"]
     assert by_name["plain"]["accepted_length_histogram"] is None  # nothing drafted
     assert sum(by_name["pld"]["accepted_length_histogram"]) == by_name["pld"]["target_passes"]
