@@ -40,6 +40,8 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
+from heads.chunked_loss import next_token_mask
+
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tvd")
 # 256 positions x 49152 tokens x 4 bytes = 50 MB per float32 temporary; a chunk makes about eight.
 DEFAULT_CHUNK_SIZE = 256
@@ -302,3 +304,15 @@ def expected_acceptance(draft_logits: torch.Tensor, target_logits: torch.Tensor,
     sampling at ``temperature`` (without top-k / top-p)."""
     return 1.0 - tvd(draft_logits, target_logits, mask, temperature=temperature,
                      chunk_size=chunk_size)
+
+
+def scored_inputs(batch: dict) -> dict:
+    """The models' inputs, their LM heads computed only where a loss-mask token is predicted."""
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+            "logits_to_keep": next_token_mask(batch["loss_mask"]).bool(), "use_cache": False}
+
+
+@torch.no_grad()
+def teacher_logits(target, batch: dict) -> torch.Tensor:
+    """(n, vocab) the frozen target's logits at the scored positions of ``batch``."""
+    return target.model(**scored_inputs(batch)).logits

@@ -206,13 +206,15 @@ def build(cfg: DFlashTrainConfig) -> Recipe:
     batches = make_batches(rows, cfg, accelerator, collate, lengths=lengths,
                            weights=row_weights(dataset, cfg.anchors, weights))
 
+    @torch.no_grad()
+    def target_forward(batch: dict) -> dict:  # the target's states, its LM head not run
+        states, last = target.hidden_states(batch["input_ids"], layers, batch["attention_mask"])
+        return {"features": torch.cat([states[i] for i in layers], dim=-1),  # (B, S, L*H)
+                "last_hidden": last}  # (B, S, H)
+
     def step(model, batch: dict, micro_index: int) -> StepOutput:
         if cfg.feature_mode == "online":
-            with torch.no_grad():  # the target's states, its LM head not run
-                states, last = target.hidden_states(batch["input_ids"], layers,
-                                                    batch["attention_mask"])
-            batch["features"] = torch.cat([states[i] for i in layers], dim=-1)  # (B, S, L*H)
-            batch["last_hidden"] = last  # (B, S, H)
+            batch.update(target_forward(batch))
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + micro_index)
         anchors = sample_anchors(batch["loss_mask"], cfg.anchors, generator)
         loss, metrics = model(batch, anchors)
@@ -233,7 +235,8 @@ def build(cfg: DFlashTrainConfig) -> Recipe:
         lambda module: BlockProposer(module.draft, block_size=cfg.eval_block_size))
     return Recipe(cfg, accelerator, target, batches, model, step,
                   export=partial(export, cfg, accelerator, target, config, report),
-                  evaluators=[acceptance], first_record=first, on_resume=check_vocabulary)
+                  evaluators=[acceptance], first_record=first, on_resume=check_vocabulary,
+                  target_forward=target_forward if cfg.feature_mode == "online" else None)
 
 
 def export(cfg: DFlashTrainConfig, accelerator, target: Target, config: DFlashConfig, report,

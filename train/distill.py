@@ -72,9 +72,15 @@ from distill.draft import (
     restrict_vocabulary,
     save_draft,
 )
-from distill.losses import DIVERGENCES, argmax_agreement, divergence, tvd
+from distill.losses import (
+    DIVERGENCES,
+    argmax_agreement,
+    divergence,
+    scored_inputs,
+    teacher_logits,
+    tvd,
+)
 from eval.draft import PROPOSAL_KEY, DraftModelProposer
-from heads.chunked_loss import next_token_mask
 from heads.command_line import run_command, shell_command
 from heads.draft_vocab import (
     check_same_vocabulary,
@@ -512,11 +518,8 @@ def distill_loss(model: nn.Module, target: Target, batch: dict, cfg: DistillConf
     Both logits are (n, vocab) for the n positions t with ``loss_mask[:, t + 1] = 1``, in the
     batch's row-major order: the models compute their LM head at those positions only.
     """
-    keep = next_token_mask(batch["loss_mask"]).bool()  # (batch, seq)
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
-              "logits_to_keep": keep, "use_cache": False}
-    with torch.no_grad():
-        target_logits = target.model(**inputs).logits  # (n, vocab)
+    inputs = scored_inputs(batch)
+    target_logits = teacher_logits(target, batch)  # (n, vocab)
     draft_logits = model(**inputs).logits  # (n, vocab)
     mask = torch.ones(draft_logits.shape[:-1], device=draft_logits.device)  # (n,)
     loss = divergence(cfg.divergence, draft_logits, target_logits, mask,
@@ -744,7 +747,8 @@ def build(cfg: DistillConfig) -> Recipe:
     return Recipe(cfg, accelerator, target, batches, draft, step,
                   export=partial(export, cfg, accelerator, target, kept),
                   evaluators=[heldout, acceptance], first_record=first,
-                  on_resume=check_vocabulary)
+                  on_resume=check_vocabulary,
+                  target_forward=partial(teacher_logits, target))
 
 
 def export(cfg: DistillConfig, accelerator, target: Target, kept: torch.Tensor | None,

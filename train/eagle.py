@@ -294,10 +294,13 @@ def build(cfg: EagleTrainConfig) -> Recipe:
                       gradient_checkpointing=cfg.gradient_checkpointing,
                       attention=check_attention(cfg.attention, accelerator.device))
 
+    def target_forward(batch: dict) -> dict:  # (B, S, F) features and (B, S, h) last hidden
+        return target_features(target, batch["input_ids"], batch["attention_mask"], config,
+                               position_ids=batch.get("position_ids"))
+
     def step(model, batch: dict, micro_index: int) -> StepOutput:
-        if cfg.feature_mode == "online":  # (B, S, F) features and (B, S, h) last hidden
-            batch.update(target_features(target, batch["input_ids"], batch["attention_mask"],
-                                         config, position_ids=batch.get("position_ids")))
+        if cfg.feature_mode == "online":
+            batch.update(target_forward(batch))
         loss, parts = model(batch, reduction="sum")
         tokens = parts.pop("tokens")  # predicted positions of this micro-batch (step 0)
         logged = {}
@@ -322,7 +325,8 @@ def build(cfg: EagleTrainConfig) -> Recipe:
                                      tree_nodes=cfg.tree_nodes))
     return Recipe(cfg, accelerator, target, batches, model, step,
                   export=partial(export, cfg, accelerator, target, config, report),
-                  evaluators=[acceptance], first_record=first, on_resume=check_vocabulary)
+                  evaluators=[acceptance], first_record=first, on_resume=check_vocabulary,
+                  target_forward=target_forward if cfg.feature_mode == "online" else None)
 
 
 def export(cfg: EagleTrainConfig, accelerator, target: Target, config: EagleConfig, report,

@@ -100,6 +100,9 @@ class Recipe:
     evaluators: Sequence[PeriodicEval] = ()
     first_record: dict | None = None
     on_resume: Callable[[TrainState, nn.Module], None] | None = None
+    # the frozen target's no-grad forward exactly as ``step`` makes it on a micro-batch (what
+    # python -m train.speed times); None: the step does not run the target (offline features)
+    target_forward: Callable[[dict], Any] | None = None
 
     def train(self, stop: GracefulStop | None = None) -> TrainResult:
         return run_training(self.cfg, self.accelerator, model=self.model, batches=self.batches,

@@ -566,8 +566,11 @@ def build(cfg: MedusaTrainConfig) -> Recipe:
         f"trained")
     verifier = objective.verifier()
 
+    def target_forward(batch: dict) -> torch.Tensor:  # (B, T, H), the LM head skipped
+        return target_hidden(target, batch["input_ids"], batch["attention_mask"])
+
     def step(model, batch: dict, micro_index: int) -> StepOutput:
-        teacher = target_hidden(target, batch["input_ids"], batch["attention_mask"])
+        teacher = target_forward(batch)
         loss, stats = model(batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
                             teacher, reduction="sum")
         return StepOutput(loss, _logged(stats))
@@ -589,7 +592,7 @@ def build(cfg: MedusaTrainConfig) -> Recipe:
                   export=partial(export, cfg, accelerator, target, heldout, acceptance, verifier,
                                  rebuild),
                   evaluators=[heldout, acceptance], first_record=first,
-                  on_resume=check_vocabulary)
+                  on_resume=check_vocabulary, target_forward=target_forward)
 
 
 def export(cfg: MedusaTrainConfig, accelerator, target: Target, heldout: HeldOutAccuracy,

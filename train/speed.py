@@ -4,9 +4,11 @@
                           [--trainer eagle] [--key value ...]
 
 Builds the trainer's recipe exactly as ``train/<method>.py`` does (the method is the config's
-folder, ``configs/<method>/...``, or ``--trainer``), times the frozen target's no-grad forward
-(its decoder, under the run's autocast) over the micro-batches of the first steps, then trains
-``warmup + steps`` optimizer steps and prints one JSON object:
+folder, ``configs/<method>/...``, or ``--trainer``), times the frozen target's no-grad forward as
+the step calls it (``Recipe.target_forward``: the layers it keeps, packed rows' position ids,
+the LM head where the step runs it; under the run's autocast, after 3 warm-up micro-batches)
+over the micro-batches of the first steps, then trains ``warmup + steps`` optimizer steps and
+prints one JSON object:
 
 * ``train_tokens_per_s``: real (non-padding) tokens per second of the timed steps, evaluation and
   checkpointing excluded;
@@ -76,23 +78,31 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+FORWARD_WARMUP = 3  # micro-batches the target runs before its forward is timed
+
+
 @torch.no_grad()
 def target_forward_tokens_per_s(recipe, steps: int) -> tuple[float, int]:
-    """(real tokens per second, tokens) of the target's decoder over the first ``steps`` steps'
-    micro-batches of this process, under the run's autocast (one warm-up micro-batch first)."""
+    """(real tokens per second, tokens) of the target's forward over the first ``steps`` steps'
+    micro-batches of this process, as the step calls it (``recipe.target_forward``: the same
+    layers kept, packed rows with their position ids, the LM head where the step runs it; the
+    decoder alone for a recipe whose step does not run the target), under the run's autocast,
+    after :data:`FORWARD_WARMUP` micro-batches (kernel selection, allocator, compiling)."""
     accelerator, target = recipe.accelerator, recipe.target
+    forward = recipe.target_forward or (lambda batch: target.decoder(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False))
     micro = [batch for _, (_, _, batches) in zip(range(steps),
                                                  recipe.batches.steps(0, accelerator.device))
              for batch in batches]
+    warmup = [micro[i % len(micro)] for i in range(FORWARD_WARMUP)]
     tokens, seconds = 0, 0.0
     with accelerator.autocast():
-        for i, batch in enumerate([micro[0], *micro]):
+        for i, batch in enumerate([*warmup, *micro]):
             _sync(accelerator.device)
             started = time.perf_counter()
-            target.decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                           use_cache=False)
+            forward(dict(batch))
             _sync(accelerator.device)
-            if i:  # the first is a warm-up
+            if i >= len(warmup):
                 seconds += time.perf_counter() - started
                 tokens += int(batch["attention_mask"].sum())
     return tokens / seconds, tokens
@@ -145,6 +155,8 @@ def measure(trainer: Trainer | str, argv: list[str], steps: int, warmup: int) ->
         "estimated_peak_gb": round(predicted, 3),  # train.memory's, which build() checks
         "loss_last": timed[-1]["loss"],
         "target_forward_tokens": forward_tokens,
+        # whether a step runs the target (offline features: the forward is what it would cost)
+        "target_forward_in_step": recipe.target_forward is not None,
     }
 
 
