@@ -38,7 +38,7 @@ from eval.acceptance import (
     verify_chain_greedy,
     verify_tree,
 )
-from eval.forward import model_forward
+from eval.forward import compiling_seconds, model_forward
 from eval.host import host_reads, to_host
 from eval.kv import compact
 from eval.proposers import Proposer
@@ -62,6 +62,9 @@ class Generation:
     # every decoding round: (tree nodes, tokens already in the target's cache, seconds)
     rounds: list[tuple[int, int, float]] = field(default_factory=list)
     host_reads: int = 0  # device values read on the host while decoding (eval.host)
+    # compiling that happened inside this generation (a graph's first use): left out of
+    # ``seconds`` and of every round's seconds
+    compile_seconds: float = 0.0
     # with record_logits: the target's logits (vocab,) behind each emitted token, float32 on the
     # CPU (what the greedy-equality report reads at a first differing position)
     logits: list[torch.Tensor] | None = None
@@ -96,6 +99,8 @@ class DecodeState:
     started: float
     root: torch.Tensor | None = None  # (1,) the last emitted token, on the target's device
     round_started: float = 0.0
+    compiled_before: float = 0.0  # eval.forward.compiling_seconds() when the generation began
+    round_compiled: float = 0.0  # the same when the round began
 
     @property
     def done(self) -> bool:
@@ -148,7 +153,8 @@ class SpeculativeEngine:
 
     ``compile``: compile the target's verification forward (and, where they take it, the
     proposers' drafts: :mod:`eval.forward`); the time compiling takes is :attr:`compile_seconds`,
-    never part of a generation's ``seconds`` once warmed up.
+    never part of a generation's ``seconds`` (a graph compiled mid-generation, at a shape the
+    warm-up did not meet, is subtracted and counted in ``Generation.compile_seconds``).
     """
 
     def __init__(self, target: Target, *, compile: bool | str = False):
@@ -172,8 +178,10 @@ class SpeculativeEngine:
         state = self.begin(*args, **kwargs)
         while not state.done:
             self.step(state)
-        state.gen.seconds = time.perf_counter() - state.started
-        return state.gen
+        gen = state.gen
+        gen.compile_seconds = compiling_seconds() - state.compiled_before
+        gen.seconds = time.perf_counter() - state.started - gen.compile_seconds
+        return gen
 
     @torch.no_grad()
     def begin(
@@ -205,7 +213,7 @@ class SpeculativeEngine:
         state = DecodeState(
             seq=list(prompt), cache=None, gen=gen, params=params, proposer=proposer,
             generator=generator, layers=layers, max_new_tokens=max_new_tokens,
-            stop_at_eos=stop_at_eos, started=started)
+            stop_at_eos=stop_at_eos, started=started, compiled_before=compiling_seconds())
         state.cache = self.forward.take_cache(state)
         self.forward.cache.reserve(len(prompt) + max_new_tokens + 1)
         n = len(prompt)
@@ -230,6 +238,7 @@ class SpeculativeEngine:
         if stop_at_eos and gen.tokens[0] in self.eos:
             gen.stop_reason = "eos"
         state.round_started = time.perf_counter()
+        state.round_compiled = compiling_seconds()
         return state
 
     @torch.no_grad()
@@ -292,9 +301,10 @@ class SpeculativeEngine:
                       if state.layers else None)
             proposer.observe(seq, tree, path, hidden)
         gen.host_reads += host_reads() - reads
-        now = time.perf_counter()
-        gen.rounds.append((len(tree), past, now - state.round_started))
-        state.round_started = now
+        now, compiled = time.perf_counter(), compiling_seconds()
+        gen.rounds.append((len(tree), past,
+                           now - state.round_started - (compiled - state.round_compiled)))
+        state.round_started, state.round_compiled = now, compiled
         return new
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams, generator) -> torch.Tensor:

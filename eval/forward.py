@@ -9,8 +9,9 @@ names the cache slots the call writes, and, with ``compile=True``, runs the call
 Compiling. Every round feeds the same module the same kinds of tensors: token ids (1, q),
 positions (1, q), the engine's additive mask (1, 1, q, kv) and the cache slots (q,). Only q and kv
 change, and they are dynamic dimensions of the compiled graph, so a whole benchmark compiles two
-graphs per module (q = 1, plain decoding; q >= 2, every tree size) whatever its tree sizes and
-context lengths; :attr:`ModelForward.compile_seconds` is the time the calls that compiled took,
+graphs per module and set of outputs (q = 1, plain decoding; q >= 2, every tree size; a target
+also returning hidden states for an EAGLE head or a block draft has its own pair) whatever its
+tree sizes and context lengths; :attr:`ModelForward.compile_seconds` is the time the calls that compiled took,
 which the benchmark reports apart from the decoding it measures. The guards on the module's
 parameters are skipped (``torch.compiler.skip_guard_on_all_nn_modules_unsafe``): the weights of
 a frozen target and of a loaded draft do not change while the engine runs. Calls that keep only
@@ -21,7 +22,9 @@ overhead"``); draftsmith has not measured that path yet, so it compiles the same
 
 from __future__ import annotations
 
+import sys
 import time
+import types
 import weakref
 
 import torch
@@ -31,14 +34,17 @@ from eval.attention import engine_attention
 from eval.kv import MIN_CAPACITY, StaticCache
 
 _FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_COMPILING = [0.0]  # seconds every ModelForward of this process has spent compiling
 COMPILE_MODES = ("off", "on", "max")
-# "max": inductor freezes the weights into the graph (packed for oneDNN) and autotunes every
-# matrix product between aten's and its own C++ GEMM kernels. On a 2-core Xeon it took a plain
-# round of SmolLM2-135M from 33.5 ms ("on") to 26-28 ms, a round verifying 8 tokens from 67 to
-# 47-50 ms, for 3-4 minutes of compiling instead of 2.
+# "max": inductor autotunes every matrix product between aten's and its own C++ GEMM kernels
+# and calls its kernels from C++ rather than Python (weights are frozen into graphs that hold
+# them; draftsmith's pass the module as an argument, so they stay inputs). On a 2-core Xeon it
+# took a plain round of SmolLM2-135M from 33.5 ms ("on") to 27-29 ms and a round verifying 8
+# tokens from 67 to 47-54 ms, for 4-5 minutes of compiling instead of 2.
 _OPTIONS = {
     "on": {},
-    "max": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"},
+    "max": {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+            "cpp_wrapper": True},
 }
 
 
@@ -85,9 +91,13 @@ class ModelForward:
 
     def _compiled_call(self):
         if self._compiled is None:
+            print(f"[compile] {type(self.module).__name__}: compiling its forward ({self.compile}"
+                  "; two graphs, each at its first use: minutes on a CPU, once per process, not "
+                  "counted in any method's seconds)", file=sys.stderr, flush=True)
             options = {**_OPTIONS[self.compile],
                        "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-            self._compiled = torch.compile(self.call, dynamic=True, options=options)
+            self._compiled = torch.compile(_own_code(self.call, id(self)), dynamic=True,
+                                           options=options)
         return self._compiled
 
     def __call__(self, slots: torch.Tensor, *, eager: bool = False, **kwargs):
@@ -103,14 +113,47 @@ class ModelForward:
                     return self.call(self.module, cache=cache, **kwargs)
                 before = counters["stats"]["unique_graphs"]
                 started = time.perf_counter()
-                out = self._compiled_call()(self.module, cache=cache, **kwargs)
+                kwargs = {key: _standalone(value) for key, value in kwargs.items()}
+                with _no_duck_sizing():
+                    out = self._compiled_call()(self.module, cache=cache, **kwargs)
                 new = counters["stats"]["unique_graphs"] - before
                 if new:  # this call compiled (dynamo counts every graph it makes)
                     self.graphs += new
-                    self.compile_seconds += time.perf_counter() - started
+                    spent = time.perf_counter() - started
+                    self.compile_seconds += spent
+                    _COMPILING[0] += spent
                 return out
         finally:
             cache.slots = None
+
+
+def _own_code(fn, tag):
+    """``fn`` with a code object of its own. Dynamo keeps compiled graphs per code object and,
+    with the module guards skipped, would run a graph compiled for one module on another of the
+    same shapes (a draft LM beside its target, a second EAGLE head): right while weights are
+    graph inputs, wrong once "max" freezes them into the graph. Each ModelForward compiles its
+    own graphs, with its own recompile limit."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
+    own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    own.__kwdefaults__ = fn.__kwdefaults__
+    return own
+
+
+def _standalone(value):
+    """A tensor argument as a compiled graph should see it: contiguous and not a view. Dynamo
+    guards on a view's base and on strides, so a slice of a longer buffer (an EAGLE head's
+    pending features, the last row of a wider output) would compile a graph of its own each time
+    its base's length or stride differs; a copy of a few rows costs microseconds."""
+    if isinstance(value, torch.Tensor) and (value._base is not None or not value.is_contiguous()):
+        return value.clone(memory_format=torch.contiguous_format)
+    return value
+
+
+def _no_duck_sizing():
+    """Dynamo's duck sizing makes two dimensions of equal size one symbol (a mask's key length
+    equal by chance to a feature slice's base length) and recompiles when they part; the
+    engine's dimensions are independent, so each gets its own symbol."""
+    return torch.fx.experimental._config.patch(use_duck_shape=False)
 
 
 def causal_lm_call(model, *, cache, input_ids, position_ids, attention_mask,
@@ -135,6 +178,11 @@ def model_forward(module: torch.nn.Module, *, role: str = "target", compile: boo
     elif mode != forward.compile and mode != "off":
         forward.compile, forward._compiled = mode, None
     return forward
+
+
+def compiling_seconds() -> float:
+    """Seconds this process has spent compiling engine forwards so far (a clock to subtract)."""
+    return _COMPILING[0]
 
 
 def compiled_forwards() -> dict[str, float]:
