@@ -177,10 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", choices=("auto", *COMPILE_MODES), default="auto",
                    help="compile the engine's and the drafts' forwards (eval.forward): on "
                         "(inductor's default), max (weights frozen into the graph, GEMMs "
-                        "autotuned: the fastest rounds, 3-4 minutes of compiling for a 135M "
-                        "target on 2 cores), off; auto: max for a target of 50M parameters or "
-                        "more, off for smaller ones, whose compiling outlasts the run. Compile "
-                        "time is reported apart, never in a method's seconds (default auto)")
+                        "autotuned, kernels called from C++: the fastest rounds, 5-8 minutes "
+                        "of compiling for a 135M target on 2 cores), off; auto: max for a "
+                        "target of 50M parameters or more in a run decoding 10,000 tokens or "
+                        "more in our engine (prompts x new tokens x repeats x methods), off "
+                        "otherwise. Compile time is reported apart, never in a method's seconds "
+                        "(default auto)")
     seen = {}
     for f in option_flags():
         seen.setdefault(f.flag, []).append(f)
@@ -271,15 +273,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-COMPILE_FROM_PARAMETERS = 50_000_000  # --compile auto compiles targets this large or larger
+# --compile auto compiles (max) a target this large or larger for a run that decodes this many
+# tokens in our engine or more: below either, compiling (minutes) outlasts what it would measure
+COMPILE_FROM_PARAMETERS = 50_000_000
+COMPILE_FROM_TOKENS = 10_000
 
 
-def compile_choice(choice: str, target) -> str:
-    """``--compile``'s mode for ``target`` ("auto": see the flag's help)."""
+def compile_choice(choice: str, target, engine_tokens: int) -> str:
+    """``--compile``'s mode for ``target`` and a run decoding ``engine_tokens`` tokens in our
+    engine ("auto": see the flag's help)."""
     if choice != "auto":
         return choice
     size = sum(p.numel() for p in target.model.parameters())
-    return "max" if size >= COMPILE_FROM_PARAMETERS else "off"
+    return ("max" if size >= COMPILE_FROM_PARAMETERS and engine_tokens >= COMPILE_FROM_TOKENS
+            else "off")
 
 
 def draftsmith_engine(args, prompt_set, specs: list[str]) -> EngineRun:
@@ -295,7 +302,12 @@ def draftsmith_engine(args, prompt_set, specs: list[str]) -> EngineRun:
         if needed not in specs:
             print(f"[bench] adding `{needed}`: {why}", file=sys.stderr)
             specs = [needed, *specs]
-    compile = compile_choice(args.compile, target)
+    engine_specs = [spec for spec in specs if not spec.startswith("hf")]
+    compile = compile_choice(args.compile, target, len(prompts) * args.max_new_tokens
+                             * args.repeats * len(engine_specs))
+    if compile != "off":
+        print(f"[bench] --compile {compile}: the engine's forwards are compiled at their first "
+              "use (minutes on a CPU, reported apart)", file=sys.stderr)
     uses_trees = any(method_for(s).trees for s in specs)
     if args.tree == TREE_AUTO and uses_trees and (
             Path(args.tree_calibration_prompts).resolve() == Path(args.prompts).resolve()):
@@ -334,68 +346,128 @@ def main(argv=None) -> list[dict]:
             run = llama_engine(args, prompt_set, specs, servers)
         else:
             run = draftsmith_engine(args, prompt_set, specs)
-        methods, prompts, target = run.methods, run.prompts, run.target
+        methods, prompts = run.methods, run.prompts
         runs = run_benchmark(methods, prompts, max_new_tokens=args.max_new_tokens,
                              params=args.params, seed=args.seed, warmup=args.warmup,
                              repeats=args.repeats, progress=not args.no_progress)
         summary = summarise(runs, prompt_set.prompts, args.params.greedy,
                             reference=run.reference, speed_reference=run.speed_reference)
-        if args.engine != LLAMA_ENGINE:  # the cost model beside what the rounds took
-            print("[bench] timing rounds for the cost model (predicted beside measured)",
-                  file=sys.stderr)
-            run.config["cost_model"] = cost_model_records(methods, summary["methods"], runs,
-                                                          prompts, args.params)
-            run.config["compile_seconds"] = compile_seconds(methods)
         for method, record in zip(methods, summary["methods"]):
             if getattr(method, "tree", None):
                 record["tree"] = method.tree
             if getattr(method, "drafting", None):  # a draft LM's chain or static tree
                 record["drafting"] = method.drafting
+        report = build_bench_report(args, prompt_set, run, summary)
+        # what was measured is on disk before anything interprets it (a failure below keeps it)
+        save_report(args.out, report, "measured")
+        steps = []
+        if args.engine != LLAMA_ENGINE:
+            steps.append(("cost model", lambda: cost_model_step(run, methods, summary, runs,
+                                                                prompts, args.params)))
         if args.params.greedy:
-            explain_differences(methods, summary["methods"], prompts, args.max_new_tokens,
-                                args.params, run.tie_dtype, reference=run.reference)
-            found = {r["method"]: r.get("divergences") or [] for r in summary["methods"]}
-            for group in summary["categories"]:  # each category's verdict from its own prompts
-                for r in group["methods"]:
-                    if r.get("differing_prompts"):
-                        mine = [d for d in found.get(r["method"], [])
-                                if d.get("prompt") in r["differing_prompts"]]
-                        r["greedy_verdict"] = greedy_verdict(mine) if mine else None
+            steps.append(("greedy differences explained", lambda: explain_step(
+                args, run, methods, summary, prompts)))
+        failed = interpret(report, steps)  # these replay prompts: llama-servers still running
     if args.engine == LLAMA_ENGINE and args.cross_check:
-        cross_check(summary["methods"], target, prompts, max_new_tokens=args.max_new_tokens,
-                    chains={m.name: m.draft_max for m in methods if m.draft_max})
+        failed += interpret(report, [("llama.cpp cross-check", lambda: cross_check(
+            summary["methods"], run.target, prompts, max_new_tokens=args.max_new_tokens,
+            chains={m.name: m.draft_max for m in methods if m.draft_max}))])
+    report["greedy_summary"] = greedy_summary(summary["methods"], reference=run.reference)
+    failed += interpret(report, [("printed table", lambda: print(format_report(report)))])
+    save_report(args.out, report, "complete" if not failed else "measured; " + ", ".join(failed)
+                + " failed")
+    if args.html:
+        failed += interpret(report, [("HTML report", lambda: write_html(args, report))])
+    if args.wandb:
+        failed += interpret(report, [("W&B", lambda: log_to_wandb(report, report["config"],
+                                                                  args.wandb_project))])
+        save_report(args.out, report, report["stage"] if not failed else "measured; "
+                    + ", ".join(failed) + " failed")
+    if failed:
+        print(f"[bench] {', '.join(failed)} failed after the measurements: every measurement is "
+              f"in {args.out or 'the table above'}; the failures are named in its 'failures'",
+              file=sys.stderr)
+        return 1
+    return summary["methods"]
+
+
+def build_bench_report(args, prompt_set, run, summary) -> dict:
+    """The report as measured: config, prompts, every method's record (interpretation adds to
+    the same dicts, so a rewrite after it carries both)."""
     import transformers
 
     config = {
-        "target": args.target, "prompts": str(args.prompts), "num_prompts": len(prompts),
-        "skipped_prompts": dict(prompt_set.skipped), "turn": args.turn,
-        "categories": prompt_set.categories, "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-        "seed": args.seed, "warmup": args.warmup, "repeats": args.repeats,
+        "target": args.target, "prompts": str(args.prompts),
+        "num_prompts": len(run.prompts), "skipped_prompts": dict(prompt_set.skipped),
+        "turn": args.turn, "categories": prompt_set.categories,
+        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+        "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed, "warmup": args.warmup,
+        "repeats": args.repeats,
         "dtype": dtype_name(run.tie_dtype) if args.engine == LLAMA_ENGINE
-        else dtype_name(target.dtype), "reference": run.reference,
-        "speed_reference": run.speed_reference or run.reference, **run.config,
+        else dtype_name(run.target.dtype), "reference": run.reference,
+        "speed_reference": run.speed_reference or run.reference,
         "threads": args.threads if args.engine == LLAMA_ENGINE else torch.get_num_threads(),
         "torch": torch.__version__, "transformers": transformers.__version__,
         "machine": platform.machine(), "python": platform.python_version(),
     }
-    report = {
+    config.update(run.config)  # the same dict the cost model and compile seconds land in
+    run.config = config
+    return {
         "format": REPORT_FORMAT, "version": REPORT_VERSION, "config": config,
         "prompts": [{"id": p.id, "category": p.category} for p in prompt_set.prompts],
         "methods": summary["methods"], "categories": summary["categories"],
         "greedy_summary": greedy_summary(summary["methods"], reference=run.reference),
     }
-    print(format_report(report))
-    if args.out:
-        write_atomic(args.out, json.dumps(report, indent=2))
-        print(f"[bench] report written to {args.out}", file=sys.stderr)
-    if args.html:
-        built = build_report([(str(args.out or "this run"), report)], [])
-        write_atomic(args.html, render_html(built))
-        print(f"[bench] HTML report written to {args.html}", file=sys.stderr)
-    if args.wandb:
-        log_to_wandb(report, config, args.wandb_project)
-    return summary["methods"]
+
+
+def save_report(out, report: dict, stage: str) -> None:
+    """Write the report (when --out was given), saying how far it got: "measured" (the runs'
+    figures only), "complete", or which interpreting step failed."""
+    report["stage"] = stage
+    if out:
+        write_atomic(out, json.dumps(report, indent=2))
+        print(f"[bench] report ({stage}) written to {out}", file=sys.stderr)
+
+
+def interpret(report: dict, steps) -> list[str]:
+    """Run each (name, step) after the measurements; a step that raises is named in the
+    report's ``failures`` (with its error) and on stderr, and the others still run."""
+    failed = []
+    for name, step in steps:
+        try:
+            step()
+        except Exception as err:  # noqa: BLE001 - whatever it was, the measurements stay
+            failed.append(name)
+            report.setdefault("failures", []).append(
+                {"step": name, "error": f"{type(err).__name__}: {err}"})
+            print(f"[bench] {name} failed: {type(err).__name__}: {err}", file=sys.stderr)
+    return failed
+
+
+def cost_model_step(run, methods, summary, runs, prompts, params) -> None:
+    print("[bench] timing rounds for the cost model (predicted beside measured)",
+          file=sys.stderr)
+    run.config["cost_model"] = cost_model_records(methods, summary["methods"], runs, prompts,
+                                                  params)
+    run.config["compile_seconds"] = compile_seconds(methods)
+
+
+def explain_step(args, run, methods, summary, prompts) -> None:
+    explain_differences(methods, summary["methods"], prompts, args.max_new_tokens,
+                        args.params, run.tie_dtype, reference=run.reference)
+    found = {r["method"]: r.get("divergences") or [] for r in summary["methods"]}
+    for group in summary["categories"]:  # each category's verdict from its own prompts
+        for r in group["methods"]:
+            if r.get("differing_prompts"):
+                mine = [d for d in found.get(r["method"], [])
+                        if d.get("prompt") in r["differing_prompts"]]
+                r["greedy_verdict"] = greedy_verdict(mine) if mine else None
+
+
+def write_html(args, report: dict) -> None:
+    built = build_report([(str(args.out or "this run"), report)], [])
+    write_atomic(args.html, render_html(built))
+    print(f"[bench] HTML report written to {args.html}", file=sys.stderr)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,8 +498,8 @@ def _greedy_cell(record: dict) -> str:
     verdict = record.get("greedy_verdict")
     if record["greedy_identical"]:
         return "yes"
-    return {"identical up to numerics": "up to numerics", "diverged": "DIVERGED"}.get(
-        verdict, "NO")
+    return {"identical up to numerics": "up to numerics", "diverged": "DIVERGED",
+            "differs, unexplained": "unexplained"}.get(verdict, "NO")
 
 
 def format_table(records: list[dict]) -> str:
@@ -496,7 +568,7 @@ def format_trees(records: list[dict]) -> str:
         lines.append(
             f"  {r['method']}: depth {t['depth']}, topk {t['topk']}, {t['tree_nodes']} nodes; "
             f"tau expected {t['expected_tau']:.2f} / measured {_cell(r.get('tau'), 2)}; "
-            f"tokens/s expected {t['expected_tokens_per_s']:.2f} (forward passes only) / "
+            f"tokens/s expected {t['expected_tokens_per_s']:.2f} (whole rounds at 128 cached tokens) / "
             f"measured {_cell(r.get('tokens_per_s'), 2)}")
     return "trees chosen by --tree auto:\n" + "\n".join(lines) if lines else ""
 
@@ -525,6 +597,14 @@ def format_costs(report: dict) -> str:
             + "\n".join(lines) + tail)
 
 
+def _number(value, spec: str = ".4g") -> str:
+    return "unknown" if value is None else format(value, spec)
+
+
+def config_reference(report: dict) -> str:
+    return report.get("config", {}).get("reference", "hf")
+
+
 def format_report(report: dict) -> str:
     parts = [format_table(report["methods"]), format_trees(report["methods"]),
              format_costs(report)]
@@ -537,12 +617,16 @@ def format_report(report: dict) -> str:
     for r in report["methods"]:
         for d in r.get("divergences") or []:
             if "reference_gap" in d:
+                reference = config_reference(report)
                 parts.append(
-                    f"  {r['method']}: prompt {d['prompt']}, token {d['position']}: hf "
-                    f"{d['reference_token']} / this {d['method_token']}, gap {d['reference_gap']:.4g}"
-                    f" in hf's run and {d['method_gap']:.4g} in this one (top-1/top-2 margins "
-                    f"{d['reference_top2']['margin']:.4g} / {d['method_top2']['margin']:.4g}, "
-                    f"tolerance {d['tolerance']:.3g} in {d['dtype']}): {d['classification']}")
+                    f"  {r['method']}: prompt {d['prompt']}, token {d['position']}: {reference} "
+                    f"{d['reference_token']} / this {d['method_token']}, gap "
+                    f"{_number(d['reference_gap'])} in {reference}'s run and "
+                    f"{_number(d['method_gap'])} in this one (top-1/top-2 margins "
+                    f"{_number(d['reference_top2']['margin'])} / "
+                    f"{_number(d['method_top2']['margin'])}, tolerance "
+                    f"{_number(d['tolerance'], '.3g')} in {d['dtype']}): {d['classification']}"
+                    + (f" ({d['note']})" if d.get("note") else ""))
             else:
                 parts.append(f"  {r['method']}: prompt {d['prompt']}: {d['classification']} "
                              f"({d.get('note', '')})")

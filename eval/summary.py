@@ -44,6 +44,8 @@ UP_TO_NUMERICS = "identical up to numerics"
 DIVERGED = "diverged"
 NUMERICAL_TIE = "numerical tie"
 REAL_DIVERGENCE = "real divergence"
+UNEXPLAINED = "unexplained"  # a logit it needs is unknown (llama.cpp's top-n: -inf beyond)
+DIFFERS_UNEXPLAINED = "differs, unexplained"
 
 
 @dataclass
@@ -255,6 +257,8 @@ def summarise(methods: list[MethodRuns], prompts: list[Prompt], greedy: bool,
 def ulp(dtype: torch.dtype, magnitude: float) -> float:
     """The spacing of ``dtype`` numbers at ``magnitude`` (its unit in the last place)."""
     info = torch.finfo(dtype)
+    if not math.isfinite(magnitude):
+        return math.nan  # no spacing at an unknown value; nothing compares within it
     magnitude = max(abs(magnitude), info.tiny)
     return 2.0 ** math.floor(math.log2(magnitude)) * info.eps
 
@@ -272,27 +276,39 @@ def classify_divergence(reference_logits: torch.Tensor, method_logits: torch.Ten
     ref = reference_logits.double()
     mine = method_logits.double()
     a, b = int(reference_token), int(method_token)
+
+    def known(value: float) -> float | None:
+        return value if math.isfinite(value) else None
+
+    def top2(row: torch.Tensor) -> dict:
+        values, ids = row.topk(2)
+        top = [int(i) if math.isfinite(float(v)) else None for v, i in zip(values, ids)]
+        return {"top1": top[0], "top2": top[1], "margin": known(float(values[0] - values[1]))}
+
+    needed = torch.stack([ref[a], ref[b], mine[a], mine[b], mine.max()])
+    found = {"reference_token": a, "method_token": b, "reference_top2": top2(ref),
+             "method_top2": top2(mine), "dtype": str(dtype).removeprefix("torch.")}
+    if not bool(torch.isfinite(needed).all()):
+        # a logit the comparison needs is not known (llama.cpp reports only its top-n
+        # log-probabilities, -inf beyond them): neither a tie nor a divergence can be shown
+        return {**found, "reference_gap": known(float(ref[a] - ref[b])),
+                "method_gap": known(float(mine[b] - mine[a])),
+                "method_behind_best": known(float(mine.max() - mine[b])), "tolerance": None,
+                "classification": UNEXPLAINED,
+                "note": "a logit this comparison needs is unknown (not among the top-n "
+                        "log-probabilities the engine returned): the margin cannot be measured"}
     magnitude = max(abs(float(ref[a])), abs(float(mine[b])))
     tolerance = NUMERIC_ULPS.get(dtype, 64) * ulp(dtype, magnitude)
     ref_gap = float(ref[a] - ref[b])  # how far the reference run preferred its own token
     method_gap = float(mine[b] - mine[a])  # how far the method's run preferred its own token
     behind = float(mine.max() - mine[b])  # > 0: the method's token was not its run's best
     tie = abs(ref_gap) <= tolerance and abs(method_gap) <= tolerance and behind <= tolerance
-
-    def top2(row: torch.Tensor) -> dict:
-        values, ids = row.topk(2)
-        return {"top1": int(ids[0]), "top2": int(ids[1]), "margin": float(values[0] - values[1])}
-
     return {
-        "reference_token": a,
-        "method_token": b,
-        "reference_top2": top2(ref),
-        "method_top2": top2(mine),
+        **found,
         "reference_gap": ref_gap,
         "method_gap": method_gap,
         "method_behind_best": behind,
         "tolerance": tolerance,
-        "dtype": str(dtype).removeprefix("torch."),
         "classification": NUMERICAL_TIE if tie else REAL_DIVERGENCE,
     }
 
@@ -306,12 +322,15 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def greedy_verdict(divergences: list[dict]) -> str:
-    """identical / identical up to numerics / diverged, from a method's classified divergences."""
+    """identical / identical up to numerics / differs, unexplained / diverged, from a method's
+    classified divergences (diverged only on evidence: a real divergence among them)."""
     if not divergences:
         return IDENTICAL
     if all(d.get("classification") == NUMERICAL_TIE for d in divergences):
         return UP_TO_NUMERICS
-    return DIVERGED
+    if any(d.get("classification") == REAL_DIVERGENCE for d in divergences):
+        return DIVERGED
+    return DIFFERS_UNEXPLAINED  # ties and unknowns: no evidence either way
 
 
 def greedy_summary(records: list[dict], reference: str = "hf") -> str:
@@ -322,7 +341,8 @@ def greedy_summary(records: list[dict], reference: str = "hf") -> str:
         return "greedy equality: not checked (temperature > 0)"
     lines = []
     for r in checked:
-        verdict = r.get("greedy_verdict") or (IDENTICAL if r["greedy_identical"] else DIVERGED)
+        verdict = r.get("greedy_verdict") or (IDENTICAL if r["greedy_identical"]
+                                              else DIFFERS_UNEXPLAINED)
         if verdict == IDENTICAL:
             continue
         count = len(r.get("differing_prompts") or [])
@@ -330,6 +350,10 @@ def greedy_summary(records: list[dict], reference: str = "hf") -> str:
         if verdict == UP_TO_NUMERICS:
             lines.append(f"{r['method']}: identical up to numerics ({detail}; each at a tie of "
                          f"the target's two best tokens within its dtype's rounding)")
+        elif verdict == DIFFERS_UNEXPLAINED:
+            lines.append(f"{r['method']}: differs, unexplained ({detail}; no real divergence "
+                         f"shown, but not every difference could be measured as a tie: see its "
+                         f"'divergences')")
         else:
             lines.append(f"{r['method']}: REAL DIVERGENCE ({detail}; at least one where the "
                          f"emitted token was not the target's choice): the engine is wrong")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import builtins
 import inspect
 import json
+import math
 import os
 import random
 import re
@@ -27,14 +28,18 @@ from eval.prompts import Prompt, load_prompts, read_prompts
 from eval.runners import run_benchmark
 from eval.sampling import SamplingParams
 from eval.summary import (
+    DIFFERS_UNEXPLAINED,
     DIVERGED,
     NUMERICAL_TIE,
     REAL_DIVERGENCE,
+    UNEXPLAINED,
     UP_TO_NUMERICS,
     bootstrap_interval,
     classify_divergence,
     greedy_summary,
+    greedy_verdict,
     summarise,
+    ulp,
 )
 from heads.target import load_target, tree_attention_mask, wrap_target
 
@@ -336,6 +341,50 @@ def test_classify_divergence_tells_ties_from_real_divergences():
         REAL_DIVERGENCE  # the same gap is far beyond fp32's rounding
     wrong = classify_divergence(ref, ref, 3, 7, torch.bfloat16)  # 7 was nobody's choice
     assert wrong["classification"] == REAL_DIVERGENCE and wrong["method_behind_best"] == 12.0
+
+
+def test_unknown_logits_give_an_unexplained_difference_not_a_crash():
+    """llama.cpp returns only its top-n log-probabilities (-inf beyond): a comparison that needs
+    one of the others can show neither a tie nor a divergence."""
+    ref = torch.full((10,), -math.inf)
+    ref[3], ref[5] = -0.1, -2.5  # the reference's top-n: token 7 is not among them
+    mine = torch.zeros(10)
+    mine[7] = 1.0
+    found = classify_divergence(ref, mine, 3, 7, torch.float32)
+    assert found["classification"] == UNEXPLAINED and found["reference_gap"] is None
+    assert found["tolerance"] is None and "unknown" in found["note"]
+    json.dumps(found, allow_nan=False)  # a report stays standard JSON
+    assert greedy_verdict([found]) == DIFFERS_UNEXPLAINED
+    assert greedy_verdict([found, {"classification": REAL_DIVERGENCE}]) == DIVERGED
+    assert math.isnan(ulp(torch.float32, math.inf))
+    record = {"method": "m", "greedy_identical": False, "greedy_verdict": DIFFERS_UNEXPLAINED,
+              "differing_prompts": [0], "num_prompts": 3}
+    assert "differs, unexplained" in greedy_summary([record])
+    assert "REAL DIVERGENCE" not in greedy_summary([record])
+
+
+def test_a_failing_interpretation_leaves_the_measured_report(files, tmp_path, monkeypatch,
+                                                             capsys):
+    """The measurements are on disk before anything interprets them: a step that fails after
+    the runs is named in the report, the others still run, and the command exits 1."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("explanation broke")
+
+    monkeypatch.setattr(bench, "explain_differences", broken)
+    out = tmp_path / "r.json"
+    status = bench.run_cli(["--target", str(files["target"]), "--method", "plain",
+                            "--prompts", str(files["questions"]), "--num-prompts", "2",
+                            "--max-new-tokens", "6", "--warmup", "0", "--no-progress",
+                            "--out", str(out)])
+    assert status == 1
+    report = json.loads(out.read_text())
+    assert report["stage"] == "measured; greedy differences explained failed"
+    assert report["failures"] == [{"step": "greedy differences explained",
+                                   "error": "RuntimeError: explanation broke"}]
+    plain = next(r for r in report["methods"] if r["method"] == "plain")
+    assert plain["tokens_per_s"] > 0 and plain["new_tokens"] > 0
+    assert "cost_model" in report["config"]  # the cost model, a step of its own, ran
+    assert "greedy differences explained failed" in capsys.readouterr().err
 
 
 def _runs_and_report(target, methods, prompts):
