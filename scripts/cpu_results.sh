@@ -15,6 +15,7 @@
 #                                              | shipped-eagle3-trees | shipped-eagle3-tree10
 #                                              | sweep-eagle3-shipped | sweep-medusa-more
 #                                              | sweep-eagle3-offline
+#                                              | engine-costs | engine-bench | engine-chain
 #
 # Each stage is what was run, with its wall-clock on 2 cores noted beside it; the README quotes
 # the figures. Outputs go under runs/ (training) and reports/ (benchmark JSON). Every training
@@ -260,6 +261,34 @@ llama-costs)  # what a round costs in llama.cpp and in our engine (verification 
   "$PYTHON" scripts/llama_costs.py --out reports/llama_costs.json \
     --dflash artifacts/smollm2-135m/dflash
   ;;
+engine-costs)  # the engine's round beside llama.cpp's forward after the engine rework (static
+  # caches, acceptance on the device, compiled steps), 2 threads, eager and compiled: ~5 min
+  "$PYTHON" scripts/llama_costs.py --threads 2 --compile off max \
+    --out reports/llama_costs_engine.json
+  ;;
+engine-bench)  # every shipped draft in the reworked engine, compiled (max), beside plain, hf,
+  # transformers' compiled static-cache generate and both prompt lookups: 20 MT-bench first
+  # turns, 128 tokens, greedy, with the cost model's prediction beside each method's decoding
+  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --compile max \
+    --method plain --method hf --method hf-static --method pld --method hf-pld \
+    --method eagle:artifacts/smollm2-135m/eagle3 --method medusa:artifacts/smollm2-135m/medusa \
+    --method dflash:artifacts/smollm2-135m/dflash --method draft:artifacts/smollm2-135m/draft \
+    --tree auto --draft-dtype bf16 --prompts data/eval/mt_bench_question.jsonl \
+    --num-prompts 20 --max-new-tokens 128 --temperature 0 --out reports/engine_bench_t0.json
+  ;;
+engine-chain)  # what the shipped EAGLE-3 head is worth as a 3-token chain in both engines, on
+  # the f32 target, 2 threads each: our speedup over our plain beside llama.cpp's over its own
+  # (llama.cpp drafts the full chain: no p-min stop, as ours)
+  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --compile max \
+    --method plain --method eagle:artifacts/smollm2-135m/eagle3 --tree fixed --tree-topk 1 \
+    --tree-depth 3 --tree-nodes 3 --draft-dtype bf16 \
+    --prompts data/eval/mt_bench_question.jsonl --num-prompts 20 --max-new-tokens 128 \
+    --temperature 0 --out reports/engine_eagle_chain3.json
+  "$PYTHON" -m eval.bench --engine llama.cpp --target smollm2-135m --threads 2 \
+    --gguf-target-type f32 --method plain --method eagle:artifacts/smollm2-135m/eagle3 \
+    --llama-draft-max 3 --prompts data/eval/mt_bench_question.jsonl --num-prompts 20 \
+    --max-new-tokens 128 --temperature 0 --out reports/llama_eagle_chain3_f32.json
+  ;;
 llama-bench)  # the shipped drafts served by llama.cpp itself: 20 MT-bench first turns, 128
   # tokens, greedy, one thread per server, on the embedded Q4_1 target and an f32 GGUF of it;
   # drafting stops below p 0.6 (the best of 0, 0.6 and 0.9 on 5 prompts for both heads)
@@ -346,7 +375,7 @@ sweep-eagle3-offline)  # offline features on the 230-conversation sample against
     --name eagle3_shipped_offline
   ;;
 *)
-  echo "usage: $0 prompts|regenerate|eagle|medusa|distill|bench|distill-fixed|shipped-eagle3|shipped-eagle3-bench|shipped-medusa|shipped-medusa-bench|shipped-distill|shipped-distill-tune|shipped-distill-bench|shipped-bench|shipped-heads-t1|shipped-dflash|block-bench|llama-costs|llama-bench|llama-cross-check|llama-regenerate|llama-bench-eagle3|peer-speculators|sweep-eagle3-axes|shipped-eagle3-trees|shipped-eagle3-tree10|sweep-eagle3-shipped|sweep-medusa-more|sweep-eagle3-offline" >&2
+  echo "usage: $0 prompts|regenerate|eagle|medusa|distill|bench|distill-fixed|shipped-eagle3|shipped-eagle3-bench|shipped-medusa|shipped-medusa-bench|shipped-distill|shipped-distill-tune|shipped-distill-bench|shipped-bench|shipped-heads-t1|shipped-dflash|block-bench|llama-costs|llama-bench|llama-cross-check|llama-regenerate|llama-bench-eagle3|peer-speculators|sweep-eagle3-axes|shipped-eagle3-trees|shipped-eagle3-tree10|sweep-eagle3-shipped|sweep-medusa-more|sweep-eagle3-offline|engine-costs|engine-bench|engine-chain" >&2
   exit 2
   ;;
 esac

@@ -21,6 +21,8 @@
 #                 and the shipped one (artifacts/smollm2-135m/eagle3), exact greedy decoding
 #                 throughout. Each head's tree is chosen by --tree auto: its acceptance measured
 #                 on 8 Vicuna-bench prompts, this machine's costs measured (about a minute).
+#                 The engine runs eagerly here (COMPILE=max to compile it): on 5 prompts the
+#                 minutes a compiled target takes to build outweigh the ~25% it saves a round.
 #
 # The training data are the target's own answers to 9k prompts, shipped compressed in
 # data/train/selfdistill9k_answers.jsonl.gz (data/SOURCES.md says how they were made), as EAGLE
@@ -87,7 +89,7 @@ stage benchmark "$PYTHON" -m eval.bench --target "$TARGET" --threads "$THREADS" 
   --method hf --method hf-pld --method "hf-assisted:$ASSISTED" --method "eagle:$RUN/artifact" \
   "${SHIPPED[@]}" \
   --prompts "$EVAL_PROMPTS" --num-prompts "$PROMPTS_N" --max-new-tokens "$NEW_TOKENS" \
-  --temperature 0 --out "$OUT/bench.json" $TREE
+  --temperature 0 --out "$OUT/bench.json" $TREE --compile "${COMPILE:-off}"
 
 printf '\n=== demo finished in %d s (%s, %s torch threads)\n' "$(($(date +%s) - started))" \
   "$(nproc) cores" "$THREADS"

@@ -5,8 +5,11 @@
 * verification: the target's forward over n = 1, 2, 3, 4, 5, 8 tokens with 128 tokens already in
   its cache, in llama.cpp (``llama-bench -p N -n 0 -d 128``, built beside llama-server by
   ``make llama-cpp``) for the embedded Q4_1 GGUF and an f32 GGUF of the same weights, and in
-  draftsmith's engine (eval.tree_cost.measure_verify_cost, the fp32 target through
-  transformers);
+  draftsmith's engine: whole rounds verifying n tokens (eval.tree_cost.measure_verify_cost: the
+  fp32 target through transformers, the mask, the acceptance, the host read, the cache
+  compaction), eagerly and compiled (``--compile off max``; compiling happens before the
+  timing). llama-bench's figure is a forward that keeps the last logits only; a round keeps
+  all n, as verification must;
 * a draft step: each shipped draft served by llama-server (``-lv 4`` prints the drafting time
   of every request), milliseconds per drafted token (our engine's draft costs are in each
   artifact's tree_calibration.json and in ``--tree auto``'s output).
@@ -70,6 +73,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--eagle", default="artifacts/smollm2-135m/eagle3")
     parser.add_argument("--dflash", default=None, help="a block draft artifact to time as well")
+    parser.add_argument("--compile", nargs="+", default=["off", "max"],
+                        help="the engine's compile modes to time (eval.forward)")
     args = parser.parse_args()
     from eval.tree_cost import measure_verify_cost
     from heads.target import load_target
@@ -86,8 +91,10 @@ def main() -> None:
     target = load_target("smollm2-135m", device="cpu", dtype="float32")
     for threads in args.threads:
         torch.set_num_threads(threads)
-        costs = measure_verify_cost(target, SIZES, context=128, repeats=9)
-        report["draftsmith"][f"fp32 threads={threads}"] = {n: s * 1000 for n, s in costs.items()}
+        for mode in args.compile:
+            costs = measure_verify_cost(target, SIZES, context=128, repeats=9, compile=mode)
+            report["draftsmith"][f"fp32 threads={threads} compile={mode}"] = {
+                n: s * 1000 for n, s in costs.items()}
     prompt = target.chat_ids(PROMPT)
     with tempfile.TemporaryDirectory() as tmp:
         drafts = {}
