@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from accelerate import debug_launcher
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils.launch import prepare_multi_gpu_env
@@ -170,3 +171,51 @@ def test_the_estimate_counts_a_sharded_target_and_only_the_parts_a_run_loads(tmp
     layer = shape.layer_params()
     assert sharded.parts["frozen target (layers 1/8, 2 gathered)"] == pytest.approx(
         2 * (shape.params(layers=0) + 80 * layer / 8 + 2 * layer))
+
+
+class _Planted:
+    """Unpickling this creates a file: what a crafted dcp/.metadata could do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_dcp_directory_is_verified_before_torch_unpickles_it(tmp_path):
+    """dcp/.metadata is a pickle torch's reader unpickles: draftsmith reads only the one it
+    wrote (its SHA-256 and every shard's recorded in trainer_state.json at save time), so a
+    planted .metadata runs nothing, a checkpoint without digests is refused unread, and a zeroed
+    region inside a shard of the right size is caught."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from train.sharding import DCP_DIR, dcp_digests, dcp_problems, load_sharded
+
+    ckpt = tmp_path / "step_2"
+    dcp.save({"model": {"w": torch.arange(64.0)}}, checkpoint_id=str(ckpt / DCP_DIR),
+             no_dist=True)
+    recorded = {"sharding": "fsdp2", "dcp": dcp_digests(ckpt)}
+    assert ".metadata" in recorded["dcp"] and dcp_problems(ckpt, recorded) == []
+
+    shard = next(p for p in (ckpt / DCP_DIR).iterdir() if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[-64:] = bytes(64)  # a zeroed region, the size unchanged
+    shard.write_bytes(bytes(data))
+    assert any(shard.name in p and "SHA-256" in p for p in dcp_problems(ckpt, recorded))
+
+    marker = tmp_path / "code-ran"
+    (ckpt / DCP_DIR / ".metadata").write_bytes(pickle.dumps(_Planted(marker)))
+    assert any(".metadata" in p for p in dcp_problems(ckpt, recorded))
+    module = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="not the one draftsmith wrote.*nothing was read"):
+        load_sharded(module, optimizer, ckpt, recorded)
+    unrecorded = dcp_problems(ckpt, {"sharding": "fsdp2"})
+    assert len(unrecorded) == 1 and "no recorded digests" in unrecorded[0]
+    escaping = dcp_problems(ckpt, {"dcp": {".metadata": recorded["dcp"][".metadata"],
+                                           "../../outside": {"bytes": 1, "sha256": "0"}}})
+    assert any("malformed" in p for p in escaping)
+    assert not marker.exists(), "a planted .metadata was unpickled"

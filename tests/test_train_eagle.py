@@ -473,6 +473,8 @@ def test_mixing_fsdp2_with_a_ddp_checkpoint_is_refused_before_the_target_loads(
     for key, value in sharding.fsdp2_env().items():
         monkeypatch.setenv(key, value)
     main(config(files, tmp_path / "fsdp2", **common))
+    saved = json.loads((tmp_path / "fsdp2/checkpoints/step_2/trainer_state.json").read_text())
+    assert ".metadata" in saved["dcp"]  # verified before torch unpickles it on a resume
 
     def never(*args, **kwargs):
         raise AssertionError("the target was loaded before the refusal")

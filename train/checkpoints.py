@@ -69,6 +69,7 @@ from train.sharding import (
     REPLICATED,
     ShardingPlan,
     all_finite,
+    dcp_digests,
     dcp_problems,
     load_sharded,
     save_sharded,
@@ -168,7 +169,7 @@ def checkpoint_problems(path: str | os.PathLike) -> list[str]:
         return [str(err)]
     problems = []
     if recorded.get("sharding") == FSDP2:  # the module and optimizer: torch.distributed.checkpoint
-        problems += dcp_problems(path)
+        problems += dcp_problems(path, recorded)
         weights = optimizers = []
     else:
         weights = sorted(path.glob("model*.safetensors"))
@@ -461,7 +462,7 @@ class Checkpointer:
         self._accept()
         self.accelerator.load_state(str(path))  # DDP's module and optimizer; random states
         if self.layout == FSDP2:
-            load_sharded(self.model, self.optimizer, path)
+            load_sharded(self.model, self.optimizer, path, recorded)
         self.last_saved_step = recorded["step"]
         state = self._fresh_state()
         state.step = recorded["step"]
@@ -517,6 +518,8 @@ class Checkpointer:
                 "target": self.target_identity,
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }
+            if self.layout == FSDP2:  # what torch will read back (a pickle among it), verified
+                record["dcp"] = dcp_digests(tmp)
             # written last: its presence is what marks a checkpoint complete
             (tmp / STATE_FILE).write_text(json.dumps(record, indent=2))
             # a step_<N> that is neither marked nor complete is someone else's: refused

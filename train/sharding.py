@@ -24,6 +24,7 @@ same layout.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 DCP_DIR = "dcp"  # inside a checkpoint of an FSDP2 run
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of the shards: a pickle
 REPLICATED, FSDP2 = "replicated", "fsdp2"  # how a checkpoint holds the trained module
 
 
@@ -208,12 +210,19 @@ def save_sharded(module: nn.Module, optimizer, directory: Path) -> None:
              checkpoint_id=str(directory / DCP_DIR), no_dist=not distributed())
 
 
-def load_sharded(module: nn.Module, optimizer, directory: Path) -> None:
+def load_sharded(module: nn.Module, optimizer, directory: Path, recorded: dict) -> None:
     """:func:`save_sharded`'s state into the module and optimizer, whatever the number of
-    processes that wrote it (torch.distributed.checkpoint re-shards)."""
+    processes that wrote it (torch.distributed.checkpoint re-shards). ``recorded``: the
+    checkpoint's trainer_state.json; its ``.metadata`` (a pickle torch unpickles) is checked
+    against the digest recorded there right before torch reads it (:func:`dcp_problems` checked
+    every file before the resume began)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    problems = dcp_problems(directory, recorded, only=(DCP_METADATA,))
+    if problems:
+        raise ValueError(f"checkpoint {directory} is not the one draftsmith wrote: "
+                         f"{'; '.join(problems)}; nothing was read from it")
     model_state, optim_state = get_state_dict(module, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=str(directory / DCP_DIR), no_dist=not distributed())
@@ -221,26 +230,53 @@ def load_sharded(module: nn.Module, optimizer, directory: Path) -> None:
                    optim_state_dict=state["optimizer"])
 
 
-def dcp_problems(directory: Path) -> list[str]:
-    """What is missing or cut short in a checkpoint's ``dcp/`` (empty: its metadata reads and
-    every byte range it names lies in an existing file)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
+def dcp_digests(directory: Path) -> dict[str, dict]:
+    """Every file of a checkpoint's ``dcp/`` -> its size and SHA-256, for trainer_state.json
+    (the main process, once every process has written its shards)."""
     root = directory / DCP_DIR
-    try:
-        metadata = FileSystemReader(str(root)).read_metadata()
-    except Exception as err:  # noqa: BLE001 - a damaged pickle raises many types
-        return [f"{DCP_DIR}/.metadata is missing or unreadable ({type(err).__name__})"]
+    found = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+            found[path.relative_to(root).as_posix()] = {"bytes": path.stat().st_size,
+                                                        "sha256": digest}
+    return found
+
+
+def dcp_problems(directory: Path, recorded: dict, only: tuple[str, ...] | None = None
+                 ) -> list[str]:
+    """What in a checkpoint's ``dcp/`` differs from the sizes and SHA-256 digests its
+    trainer_state.json recorded when draftsmith saved it (``only``: these files). Nothing in
+    ``dcp/`` is parsed here: its ``.metadata`` is a pickle, and draftsmith lets torch unpickle
+    only the one it wrote (a crafted one runs code when read)."""
+    digests = recorded.get("dcp")
+    if not isinstance(digests, dict) or DCP_METADATA not in digests:
+        return [f"{DCP_DIR}/ has no recorded digests (saved by a draftsmith before they were "
+                f"recorded, or not by draftsmith): its {DCP_METADATA} is a pickle draftsmith "
+                f"does not read unverified; resume from a checkpoint this version saved, or "
+                f"start a new run"]
+    root = directory / DCP_DIR
     problems = []
-    ends: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    for name, end in sorted(ends.items()):
+    for name, want in sorted(digests.items()):
+        if only is not None and name not in only:
+            continue
         path = root / name
-        size = path.stat().st_size if path.is_file() else -1
-        if size < end:
-            problems.append(f"{DCP_DIR}/{name} is missing or cut short ({max(size, 0)} of "
-                            f"{end} bytes)")
+        if (not isinstance(want, dict) or ".." in Path(name).parts
+                or Path(name).is_absolute()):
+            problems.append(f"{DCP_DIR}/{name}: a malformed digest record")
+            continue
+        if not path.is_file():
+            problems.append(f"{DCP_DIR}/{name} is missing")
+            continue
+        size = path.stat().st_size
+        if size != want.get("bytes"):
+            problems.append(f"{DCP_DIR}/{name} is {size} bytes, {want.get('bytes')} when saved")
+            continue
+        with open(path, "rb") as f:
+            if hashlib.file_digest(f, "sha256").hexdigest() != want.get("sha256"):
+                problems.append(f"{DCP_DIR}/{name} differs from what was saved (its SHA-256 "
+                                f"does not match the recorded one)")
     return problems
 
 
