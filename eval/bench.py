@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads")
     p.add_argument("--compile", choices=("auto", *COMPILE_MODES), default="auto",
                    help="compile the engine's and the drafts' forwards (eval.forward): on "
-                        "(inductor's default), max (weights frozen into the graph, GEMMs "
+                        "(inductor's default), max (inductor's freezing pass, GEMMs "
                         "autotuned, kernels called from C++: the fastest rounds, 5-8 minutes "
                         "of compiling for a 135M target on 2 cores), off; auto: max for a "
                         "target of 50M parameters or more in a run decoding 10,000 tokens or "
@@ -359,7 +359,7 @@ def main(argv=None) -> list[dict]:
                 record["drafting"] = method.drafting
         report = build_bench_report(args, prompt_set, run, summary)
         # what was measured is on disk before anything interprets it (a failure below keeps it)
-        save_report(args.out, report, "measured")
+        save_report(args.out, report, None)
         steps = []
         if args.engine != LLAMA_ENGINE:
             steps.append(("cost model", lambda: cost_model_step(run, methods, summary, runs,
@@ -374,15 +374,16 @@ def main(argv=None) -> list[dict]:
             chains={m.name: m.draft_max for m in methods if m.draft_max}))])
     report["greedy_summary"] = greedy_summary(summary["methods"], reference=run.reference)
     failed += interpret(report, [("printed table", lambda: print(format_report(report)))])
-    save_report(args.out, report, "complete" if not failed else "measured; " + ", ".join(failed)
-                + " failed")
+    save_report(args.out, report, failed)
+    late = []  # outputs drawn from the saved report
     if args.html:
-        failed += interpret(report, [("HTML report", lambda: write_html(args, report))])
+        late += interpret(report, [("HTML report", lambda: write_html(args, report))])
     if args.wandb:
-        failed += interpret(report, [("W&B", lambda: log_to_wandb(report, report["config"],
-                                                                  args.wandb_project))])
-        save_report(args.out, report, report["stage"] if not failed else "measured; "
-                    + ", ".join(failed) + " failed")
+        late += interpret(report, [("W&B", lambda: log_to_wandb(report, report["config"],
+                                                                args.wandb_project))])
+    if late:  # the report names them too
+        failed += late
+        save_report(args.out, report, failed)
     if failed:
         print(f"[bench] {', '.join(failed)} failed after the measurements: every measurement is "
               f"in {args.out or 'the table above'}; the failures are named in its 'failures'",
@@ -420,9 +421,11 @@ def build_bench_report(args, prompt_set, run, summary) -> dict:
     }
 
 
-def save_report(out, report: dict, stage: str) -> None:
-    """Write the report (when --out was given), saying how far it got: "measured" (the runs'
-    figures only), "complete", or which interpreting step failed."""
+def save_report(out, report: dict, failed: list[str] | None) -> None:
+    """Write the report (when --out was given), saying how far it got: ``failed`` None,
+    "measured" (the runs' figures only); else "complete", or which interpreting steps failed."""
+    stage = ("measured" if failed is None else "complete" if not failed
+             else f"measured; {', '.join(failed)} failed")
     report["stage"] = stage
     if out:
         write_atomic(out, json.dumps(report, indent=2))

@@ -128,11 +128,13 @@ class ModelForward:
 
 
 def _own_code(fn, tag):
-    """``fn`` with a code object of its own. Dynamo keeps compiled graphs per code object and,
-    with the module guards skipped, would run a graph compiled for one module on another of the
-    same shapes (a draft LM beside its target, a second EAGLE head): right while weights are
-    graph inputs, wrong once "max" freezes them into the graph. Each ModelForward compiles its
-    own graphs, with its own recompile limit."""
+    """``fn`` with a code object of its own. Dynamo keeps compiled graphs, and its limit of
+    recompiles (8, after which it runs the function eagerly without a word), per code object:
+    a target (4 graphs with and without hidden states), a draft LM and a second head of another
+    shape all calling ``causal_lm_call`` would share one list and one limit, and a module's
+    graphs and compile seconds could not be told apart. Each ModelForward compiles its own.
+    (The weights stay graph inputs even under "max": the module is an argument, so a graph run
+    on another module of the same shapes computes with that module's weights.)"""
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
     own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
     own.__kwdefaults__ = fn.__kwdefaults__

@@ -60,7 +60,7 @@ def _robust(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
         med = statistics.median(ys)
         # a draft's side (its rounds minus the engine's) can be at or below 0 on a tiny model
         mad = statistics.median(abs(y - med) for y in ys) or abs(med) * 0.02
-        kept += [(x, y) for y in ys if abs(y - med) <= 3 * mad] or [(x, med)]
+        kept += [(x, y) for y in ys if abs(y - med) <= 3 * mad]
     return kept
 
 
