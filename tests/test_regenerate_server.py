@@ -106,7 +106,11 @@ def test_greedy_answers_through_the_server_equal_the_hf_backend_turn_by_turn(ser
     target = load_target("smollm2-135m", dtype=torch.float32)
     in_process = tmp_path / "hf.jsonl"
     regenerate(target, CONVERSATIONS, in_process, batch_size=1, **GREEDY)
-    assert by_index(through_server) == by_index(in_process)
+    def answers(path: Path) -> dict[int, dict]:  # (each row records its backend and model)
+        return {i: {k: v for k, v in r.items() if k != "settings"} for i, r in by_index(path).items()}
+
+    assert answers(through_server) == answers(in_process)
+    assert {r["settings"]["backend"] for r in by_index(through_server).values()} == {"openai"}
     records = by_index(through_server)
     assert [records[i]["turns"] for i in range(3)] == [2, 1, 3]
     assert "dataset answer" not in through_server.read_text()

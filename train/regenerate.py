@@ -1,8 +1,9 @@
 """Self-distillation: the target's own answers to the prompts, written as training rows.
 
-:func:`regenerate` lets the target answer every user turn of the prompts itself, through ``transformers`` in this process (``--backend hf``) or any OpenAI-compatible
-server (``--backend openai``), sharded over processes and resumable, and writes the
-conversations as JSONL (``messages`` format) that :func:`train.data.load_sft_dataset` reads
+:func:`regenerate` lets the target answer every user turn of the prompts itself, through
+``transformers`` in this process (``--backend hf``) or any OpenAI-compatible server
+(``--backend openai``), sharded over processes and resumable, and writes the conversations as
+JSONL (``messages`` format) that :func:`train.data.load_sft_dataset` reads
 back. ``python -m train.data`` is this module's command line::
 
     python -m train.data regenerate --target smollm2-135m --data a.json b.jsonl \\
@@ -19,13 +20,13 @@ back. ``python -m train.data`` is this module's command line::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import time
+import queue
+import sys
+import threading
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from heads.command_line import run_command
-from heads.output_dir import named_paths, refuse_inputs, write_atomic
+from heads.output_dir import named_paths, refuse_inputs
 from heads.target import Target
 from train.data import (
     DataReport,
@@ -51,6 +52,18 @@ from train.regenerate_backends import (
     answer_problem,
     check_server_tokens,
 )
+from train.regenerate_files import (
+    Writer,
+    answered,
+    done_path,
+    merge_shards,
+    refuse_directory,
+    shard_path,
+    write_done,
+)
+
+_done_path = done_path  # (the name tests and older callers use; merge_shards and shard_path are
+# imported from here too)
 
 Prompt = list[list[dict]]  # the user turns of one conversation, each turn a list of messages
 
@@ -107,16 +120,6 @@ def parse_shard(spec: str | Sequence[int]) -> tuple[int, int]:
     return index, count
 
 
-def shard_path(out_path: str | os.PathLike, index: int, count: int) -> Path:
-    """Where shard ``index`` of ``count`` writes: ``answers.shard-I-of-N.jsonl`` beside ``out``."""
-    out = Path(out_path)
-    return out.with_name(f"{out.stem}.shard-{index}-of-{count}{out.suffix}")
-
-
-def _done_path(shard: Path) -> Path:
-    return shard.with_name(shard.name + ".done")
-
-
 @dataclass
 class _Conversation:
     """A conversation being regenerated: its user turns and the history answered so far."""
@@ -138,9 +141,9 @@ class _Conversation:
         self.answered += 1
         self.finished = self.finished and answer.finished
 
-    def record(self) -> dict:
+    def record(self, settings: Mapping) -> dict:
         return {"messages": self.messages, "prompt_index": self.index, "turns": self.answered,
-                "finished": self.finished, "cut": self.cut}
+                "finished": self.finished, "cut": self.cut, "settings": dict(settings)}
 
 
 def _prepare(conversation: _Conversation, backend, limit: int, max_new_tokens: int) -> str:
@@ -156,83 +159,6 @@ def _prepare(conversation: _Conversation, backend, limit: int, max_new_tokens: i
         return "skip"
     conversation.cut = True
     return "done"
-
-
-# what every line _Writer writes starts with (json.dumps of a record, "messages" first)
-_ROW_START = b'{"messages": '
-
-
-def _records(path: Path, data: bytes | None = None) -> Iterable[tuple[int, str, dict]]:
-    """(line number, line, record) of every complete line of a regenerate file (``data``: its
-    bytes, when already read); a line that is not a row regenerate wrote is a ValueError naming
-    the file and the line."""
-    data = path.read_bytes() if data is None else data
-    try:
-        text = data[: data.rfind(b"\n") + 1].decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path} is not a file regenerate wrote (byte {err.start} is not UTF-8 "
-                         f"text); give another --out file") from None
-    for lineno, line in enumerate(text.split("\n"), 1):
-        if not line:
-            continue
-        try:
-            record = json.loads(line)
-            if not (isinstance(record, dict) and isinstance(record["prompt_index"], int)
-                    and isinstance(record["messages"], list)):
-                raise TypeError
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise ValueError(f"{path}: line {lineno} is not a row regenerate wrote; give another "
-                             f"--out file") from None
-        yield lineno, line, record
-
-
-def _answered(path: Path, prompts: list[Prompt], shard: tuple[int, int]) -> set[int]:
-    """Prompt indices already answered in ``path``; a half-written last line is cut off."""
-    if not path.exists():
-        return set()
-    data = path.read_bytes()
-    records = list(_records(path, data))  # a file regenerate did not write is refused untouched
-    complete = data.rfind(b"\n") + 1
-    tail = data[complete:]
-    if tail and not (tail.startswith(_ROW_START) or _ROW_START.startswith(tail)):
-        raise ValueError(f"{path}: its last line is not a row regenerate wrote; give another "
-                         f"--out file")
-    if tail:  # killed in the middle of writing a row: that row is answered again
-        with open(path, "r+b") as f:
-            f.truncate(complete)
-    done = set()
-    for lineno, _, record in records:
-        index = record["prompt_index"]
-        given = [m for m in record["messages"] if m.get("role") != "assistant"]
-        turns = record.get("turns", 1)
-        if not (0 <= index < len(prompts) and index % shard[1] == shard[0]
-                and given == [m for turn in prompts[index][:turns] for m in turn]):
-            raise ValueError(f"{path} line {lineno} answers another prompt than prompt {index} "
-                             f"of these data (shard {shard[0]}/{shard[1]}); resume with the same "
-                             f"data files and shards, or give another --out file")
-        done.add(index)
-    return done
-
-
-class _Writer:
-    """Appends finished conversations to a JSONL file: flushed per line (a killed process loses
-    nothing written), fsynced every few seconds and at the end (a crashed machine)."""
-
-    def __init__(self, path: Path):
-        self.file = open(path, "a", encoding="utf-8")  # closed by close()
-        self.synced = time.monotonic()
-
-    def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self.file.flush()
-        if time.monotonic() - self.synced > 5:
-            os.fsync(self.file.fileno())
-            self.synced = time.monotonic()
-
-    def close(self) -> None:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
 
 
 def _request_seed(seed: int, index: int, turn: int) -> int:
@@ -272,15 +198,18 @@ def regenerate(
     launch``, several machines) share the work; :func:`merge_shards` then joins them in input
     order. With N = 1, ``out_path`` itself is written.
 
-    Each line is ``{"messages", "prompt_index", "turns", "finished", "cut"}`` (``finished``: every
-    answer ended by itself rather than at ``max_new_tokens``; ``cut``: turns were left unanswered
-    because the history no longer fit), written and flushed when its conversation is complete.
-    Rerunning with the same prompts and shard continues where the file stops; a process killed
-    at any moment loses only the conversations in flight. ``temperature`` 0 is greedy. Returns
-    the number of conversations answered by this call.
+    Each line is ``{"messages", "prompt_index", "turns", "finished", "cut", "settings"}``
+    (``finished``: every answer ended by itself rather than at ``max_new_tokens``; ``cut``: turns
+    were left unanswered because the history no longer fit; ``settings``: the backend, model and
+    generation settings it was answered with), written and flushed when its conversation is
+    complete. Rerunning with the same prompts, shard and settings continues where the file stops
+    (other settings are refused, naming them); a process killed at any moment loses only the
+    conversations in flight. ``temperature`` 0 is greedy. Returns the number of conversations
+    answered by this call.
 
     A turn whose answer cannot be a training row (:class:`~train.regenerate_backends.BadAnswer`:
-    empty, cut short by the server, ended abnormally, a request the server kept failing) is asked
+    empty, not text, cut short by the server, ended abnormally, not given within the timeout, a
+    request the server kept failing) is asked
     once more; if it fails again its conversation is not written, the others go on, and at the
     end a ValueError names the failed prompts and why (a shard with failures is not marked
     finished, so it is not merged; rerunning asks for them again).
@@ -305,30 +234,35 @@ def regenerate(
         if progress:
             print(report.summary(), flush=True)
     prompts = prompts[:max_prompts]
+    refuse_directory(Path(out_path))
     out = Path(out_path) if count == 1 else shard_path(out_path, index, count)
+    refuse_directory(out)
     if not _is_prompt_list(prompts_or_files):  # the answers never go into the prompts' file
         sources = [prompts_or_files] if isinstance(prompts_or_files, (str, os.PathLike)) \
             else list(prompts_or_files)
         refuse_inputs([out], named_paths(*sources))
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = _answered(out, prompts, (index, count))
+    recorded = _recorded_settings(backend, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, top_p=top_p, seed=seed,
+                                  max_turns=max_turns, max_length=max_length)
+    done = answered(out, prompts, (index, count), recorded)
     todo = [_Conversation(i, prompts[i][:max_turns]) for i in range(index, len(prompts), count)
             if i not in done]
     limit = min(backend.max_context, max_length or backend.max_context)
-    finished_mark = _done_path(out)
+    finished_mark = done_path(out)
     if todo and finished_mark.exists():
         finished_mark.unlink()
     settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     skipped: list[int] = []
     cut: list[int] = []
     failed: dict[int, str] = {}
-    writer = _Writer(out)
+    writer = Writer(out)
 
     def finish(conversation: _Conversation) -> None:
         if conversation.failure is not None:
             failed[conversation.index] = conversation.failure
             return
-        writer.write(conversation.record())
+        writer.write(conversation.record(recorded))
         if conversation.cut:
             cut.append(conversation.index)
 
@@ -344,10 +278,10 @@ def regenerate(
                 _converse_batched(backend, todo, limit, seed, settings, finish, skipped, bar)
     finally:
         writer.close()
-    answered = len(todo) - len(skipped) - len(failed)
+    written = len(todo) - len(skipped) - len(failed)
     if progress:
         where = f"shard {index}/{count} " if count > 1 else ""
-        print(f"[draftsmith] {where}answered {answered} conversations into {out}" + (
+        print(f"[draftsmith] {where}answered {written} conversations into {out}" + (
             f"; {len(cut)} cut at a turn boundary (history + max_new_tokens > {limit} tokens; "
             f"prompt indices {examples(cut)})" if cut else "") + (
             f"; {len(skipped)} skipped, their first turn + max_new_tokens > {limit} tokens "
@@ -358,12 +292,22 @@ def regenerate(
         raise ValueError(
             f"{len(failed)} of {len(todo)} conversations were not written to {out}, their answers "
             f"being unusable as training rows (prompt indices {examples(sorted(failed))}): "
-            f"{reasons}{' ...' if len(failed) > len(shown) else ''}. The other {answered} are "
+            f"{reasons}{' ...' if len(failed) > len(shown) else ''}. The other {written} are "
             f"written; rerun the same command to ask for the failed ones again")
     if count > 1:
-        finished_mark.write_text(json.dumps({"shard": [index, count], "prompts": len(prompts),
-                                             "skipped": skipped}))
-    return answered
+        write_done(out, index, count, len(prompts), skipped)
+    return written
+
+
+def _recorded_settings(backend, **settings) -> dict:
+    """What every row records it was answered with (a resume must ask the same)."""
+    if isinstance(backend, OpenAIBackend):
+        kind, model = "openai", backend.model
+    else:
+        kind, model = "hf", getattr(getattr(backend, "target", None), "name", None)
+    for key in ("temperature", "top_p"):
+        settings[key] = float(settings[key])
+    return {"backend": kind, "model": model, **settings}
 
 
 def _converse_batched(backend: HFBackend, todo, limit, seed, settings, finish, skipped, bar):
@@ -371,14 +315,14 @@ def _converse_batched(backend: HFBackend, todo, limit, seed, settings, finish, s
     finished conversations leave and new ones take their place."""
     ready = {c.index: _prepare(c, backend, limit, settings["max_new_tokens"]) for c in todo}
     # longest first: similar lengths share a batch, and memory errors come early
-    queue = deque(sorted(todo, key=lambda c: (-len(c.next_ids or ()), c.index)))
+    waiting = deque(sorted(todo, key=lambda c: (-len(c.next_ids or ()), c.index)))
     rng_devices = [backend.target.device] if backend.target.device.type == "cuda" else []
     active: list[_Conversation] = []
     with torch.random.fork_rng(devices=rng_devices):
         torch.manual_seed(seed)
-        while queue or active:
-            while queue and len(active) < backend.batch_size:
-                conversation = queue.popleft()
+        while waiting or active:
+            while waiting and len(active) < backend.batch_size:
+                conversation = waiting.popleft()
                 if ready[conversation.index] == "skip":
                     skipped.append(conversation.index)
                     bar.update(1)
@@ -409,7 +353,9 @@ def _converse_batched(backend: HFBackend, todo, limit, seed, settings, finish, s
 def _converse_concurrently(backend: OpenAIBackend, todo, limit, seed, settings, finish,
                            skipped, bar):
     """Each conversation is one task answering its turns in order; ``concurrency`` tasks run at
-    once. The first turn of the first conversation is asked alone and checked first."""
+    once (:func:`_in_daemon_threads`). The first turn of the first conversation is asked alone
+    and checked first."""
+    stop = threading.Event()  # set when the run ends early: no task asks anything more
 
     def ask(conversation: _Conversation, prompt: list[dict]) -> Answer:
         request_seed = _request_seed(seed, conversation.index, conversation.answered)
@@ -419,7 +365,10 @@ def _converse_concurrently(backend: OpenAIBackend, todo, limit, seed, settings, 
             return backend.answer(prompt, seed=request_seed, **settings)
 
     def converse(conversation: _Conversation, check: bool = False) -> tuple[_Conversation, str]:
-        while (status := _prepare(conversation, backend, limit, settings["max_new_tokens"])) == "more":
+        limit_tokens = settings["max_new_tokens"]
+        while (status := _prepare(conversation, backend, limit, limit_tokens)) == "more":
+            if stop.is_set():
+                return conversation, "stopped"
             prompt = conversation.next_input()
             try:
                 answer = ask(conversation, prompt)
@@ -445,68 +394,52 @@ def _converse_concurrently(backend: OpenAIBackend, todo, limit, seed, settings, 
             continue
         rest.insert(0, conversation)
         break
-    pool = ThreadPoolExecutor(max_workers=backend.concurrency)
     try:
-        futures = [pool.submit(converse, c) for c in rest]
-        for future in as_completed(futures):
-            conversation, status = future.result()
+        for conversation, status in _in_daemon_threads(converse, rest, backend.concurrency, stop):
             if status == "skip":
                 skipped.append(conversation.index)
             else:
                 finish(conversation)
             bar.update(1)
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        stop.set()
 
 
-def merge_shards(out_path: str | os.PathLike, num_shards: int | None = None, *,
-                 partial: bool = False) -> int:
-    """Join ``answers.shard-I-of-N.jsonl`` into ``out_path`` in input (prompt) order.
+def _in_daemon_threads(task: Callable, items: list, workers: int,
+                       stop: threading.Event) -> Iterator:
+    """``task(item)`` of every item on ``workers`` daemon threads, yielded here as each ends (an
+    exception it raised is raised here); no thread takes another item once ``stop`` is set (the
+    caller sets it when it stops early: an error, Ctrl-C). The results are handled (written) by
+    the caller's thread only. Daemon threads never keep the process alive: a request still
+    waiting on a slow server when the caller stops is left behind rather than waited for."""
+    pending: queue.SimpleQueue = queue.SimpleQueue()
+    for item in items:
+        pending.put(item)
+    results: queue.SimpleQueue = queue.SimpleQueue()
 
-    ``num_shards`` defaults to the N of the shard files found. Every shard must have finished
-    (regenerate marks it) unless ``partial``. An existing ``out_path`` is replaced only when every
-    row in it is also in the shards, unchanged (an earlier merge of the same shards), so nothing
-    written is lost. Written to a temporary file and renamed. Returns the number of rows.
-    """
-    out = Path(out_path)
-    if num_shards is None:
-        found = {int(p.name.rsplit("-of-", 1)[1].split(".")[0])
-                 for p in out.parent.glob(f"{out.stem}.shard-*-of-*{out.suffix}")}
-        if len(found) != 1:
-            raise FileNotFoundError(
-                f"no shard files {out.stem}.shard-I-of-N{out.suffix} in {out.parent or '.'}"
-                if not found else
-                f"shard files of several shard counts {sorted(found)} beside {out}; pass --shards")
-        num_shards = found.pop()
-    paths = [shard_path(out, i, num_shards) for i in range(num_shards)]
-    missing = [str(p) for p in paths if not p.is_file()]
-    if missing:
-        raise FileNotFoundError(f"shard files missing: {missing}; run regenerate for those shards")
-    unfinished = [str(p) for p in paths if not _done_path(p).is_file()]
-    if unfinished and not partial:
-        raise ValueError(f"shards not finished: {unfinished}; rerun regenerate for them (it "
-                         f"continues where they stopped), or merge what is there with --partial")
-    considered = {str(p): json.loads(_done_path(p).read_text())["prompts"] for p in paths
-                  if _done_path(p).is_file()}
-    if len(set(considered.values())) > 1 and not partial:
-        raise ValueError(f"the shards answered different numbers of prompts {considered} (other "
-                         f"--max-prompts or data); rerun the short ones with the same settings, "
-                         f"or merge what is there with --partial")
-    lines: dict[int, str] = {}
-    for path in paths:
-        for lineno, line, record in _records(path):
-            index = record["prompt_index"]
-            if index in lines:
-                raise ValueError(f"{path} line {lineno}: prompt {index} is answered twice in the "
-                                 f"shards of {out}; were shards of different runs mixed?")
-            lines[index] = line
-    if out.exists():
-        for lineno, line, record in _records(out):
-            if lines.get(record["prompt_index"]) != line:
-                raise ValueError(f"{out} exists and line {lineno} is not in the shards: merging "
-                                 f"would lose it; give another output file")
-    write_atomic(out, "".join(lines[i] + "\n" for i in sorted(lines)))
-    return len(lines)
+    def work() -> None:
+        while not stop.is_set():
+            try:
+                item = pending.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                results.put((True, task(item)))
+            except BaseException as err:  # handed to the caller's thread, raised there
+                results.put((False, err))
+
+    for _ in range(min(workers, len(items))):
+        threading.Thread(target=work, name="regenerate-request", daemon=True).start()
+    for _ in items:
+        while True:
+            try:
+                ok, value = results.get(timeout=0.5)  # (Ctrl-C is seen at once either way)
+                break
+            except queue.Empty:
+                continue
+        if not ok:
+            raise value
+        yield value
 
 
 def _is_prompt_list(value: Any) -> bool:
@@ -546,17 +479,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    "OUT.shard-I-of-N.jsonl beside it")
     regen_parser.add_argument("--backend", choices=("hf", "openai"), default="hf",
                               help="hf: transformers generate in this process; openai: an "
-                                   "OpenAI-compatible server (vLLM, SGLang, TGI, transformers serve)")
+                                   "OpenAI-compatible server (vLLM, SGLang, TGI, "
+                                   "transformers serve)")
     regen_parser.add_argument("--url", nargs="+",
                               help="openai: the server's address, e.g. http://127.0.0.1:8000/v1; "
                                    "several servers (one per node): their addresses, the "
                                    "conversations spread over them in turn")
     regen_parser.add_argument("--model", help="openai: the model name the server serves")
-    regen_parser.add_argument("--concurrency", type=int, default=8,
+    regen_parser.add_argument("--concurrency", type=_whole(1), default=8,
                               help="openai: conversations in flight")
-    regen_parser.add_argument("--timeout", type=float, default=600.0,
-                              help="openai: seconds to wait for one answer")
-    regen_parser.add_argument("--retries", type=int, default=5,
+    regen_parser.add_argument("--timeout", type=_seconds, default=600.0,
+                              help="openai: seconds to wait for one answer; a request without "
+                                   "an answer by then fails its conversation (asked once more)")
+    regen_parser.add_argument("--retries", type=_whole(0), default=5,
                               help="openai: retries of a request after a connection error, "
                                    "429 or 5xx (exponential backoff)")
     regen_parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
@@ -588,12 +523,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     inspect_parser.add_argument("--cache-dir", default=None, help=f"default: {default_cache_dir()}")
     merge_parser.add_argument("--out", required=True,
                               help="the --out given to regenerate; its shard files are joined")
-    merge_parser.add_argument("--shards", type=int, default=None,
+    merge_parser.add_argument("--shards", type=_whole(1), default=None,
                               help="N (default: the N of the shard files found)")
     merge_parser.add_argument("--partial", action="store_true",
                               help="merge shards that have not finished too")
     args = parser.parse_args(argv)
-    return run_command(lambda: _run(args, parser), "python -m train.data")
+    try:
+        return run_command(lambda: _errors_in_one_line(_run, args, parser), "python -m train.data")
+    except KeyboardInterrupt:
+        print("python -m train.data: interrupted; what was written so far is kept whole (run "
+              "the same command again to continue where it stopped)", file=sys.stderr, flush=True)
+        return 130
+
+
+def _whole(least: int) -> Callable[[str], int]:
+    def whole(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
+        return value
+
+    return whole
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
+
+
+def _errors_in_one_line(run: Callable, *args) -> object:
+    """A server that cannot be reached, or a file that cannot be read or written, is the user's
+    to fix, not a bug: one line (as a ValueError) rather than a traceback."""
+    try:
+        return run(*args)
+    except FileNotFoundError:
+        raise
+    except OSError as err:  # ConnectionError included
+        raise ValueError(" ".join(str(err).split()) or type(err).__name__) from None
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -620,7 +594,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         )
         print(f"answered {written} prompts")
         if shard[1] > 1:
-            marks = [_done_path(shard_path(args.out, i, shard[1])) for i in range(shard[1])]
+            marks = [done_path(shard_path(args.out, i, shard[1])) for i in range(shard[1])]
             if all(m.is_file() for m in marks):  # the last shard to finish joins them
                 rows = merge_shards(args.out, shard[1])
                 print(f"every shard has finished: merged {rows} conversations into {args.out}")

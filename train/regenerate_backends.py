@@ -6,10 +6,10 @@ OpenAI-compatible server (vLLM, SGLang, llama-server, transformers serve).
   :func:`check_server_tokens` checks once that the server tokenises and templates as the target
   does, so the answers train the head on the tokens the target would see.
 
-An answer that cannot be a training row (empty, cut short by the server, ended abnormally, or a
-request the server keeps failing) is a :class:`BadAnswer`: its conversation is counted and left
-unwritten while the run goes on. A server that cannot be reached, or that answers as another
-model, stops the run.
+An answer that cannot be a training row (empty, not text, cut short by the server, ended
+abnormally, not given within the timeout, or a request the server keeps failing) is a
+:class:`BadAnswer`: its conversation is counted and left unwritten while the run goes on. A
+server that cannot be reached, or that answers as another model, stops the run.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import http.client
 import itertools
 import json
+import math
 import threading
 import time
 import urllib.error
@@ -48,8 +49,23 @@ class BadAnswer(ValueError):
 
 
 class ServerFailed(ConnectionError):
-    """The server answered this request with 429 / 5xx through every retry (it is reachable:
-    the failure belongs to the request)."""
+    """The server answered this request with 429 / 5xx through every retry, or not within the
+    timeout (it is reachable: the failure belongs to the request)."""
+
+
+def _timed_out(err: BaseException) -> bool:
+    return isinstance(err, TimeoutError) or isinstance(getattr(err, "reason", None), TimeoutError)
+
+
+def _kind(value) -> str:
+    """A JSON value's kind, as a user reads it in a message."""
+    return {dict: "object", list: "list", str: "string", bool: "boolean", int: "number",
+            float: "number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _count(value) -> int | None:
+    """A token count a server reports, or None when it reports none (or not a whole number)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 # finish reasons that end an answer normally: by itself ("stop"; "eos" in some servers) or at
@@ -124,8 +140,10 @@ class OpenAIBackend:
         if not urls or bad:
             raise ValueError(f"--url must be http(s) addresses such as http://127.0.0.1:8000/v1, "
                              f"got {bad or urls!r}")
-        if concurrency < 1 or retries < 0 or not timeout > 0 or not backoff >= 0:
-            raise ValueError(f"need concurrency >= 1, retries >= 0, timeout > 0 and backoff >= 0, "
+        if (concurrency < 1 or retries < 0 or not (math.isfinite(timeout) and timeout > 0)
+                or not backoff >= 0):
+            raise ValueError(f"need concurrency >= 1, retries >= 0, a finite timeout > 0 and "
+                             f"backoff >= 0, "
                              f"got {concurrency}, {retries}, {timeout}, {backoff}")
         check_chat_tokenizer(tokenizer)
         self.urls = [u.rstrip("/") for u in urls]
@@ -145,7 +163,9 @@ class OpenAIBackend:
     def request(self, method: str, path: str, body: dict | None = None,
                 retries: int | None = None, server: str | None = None) -> dict:
         """One JSON request (to ``server``, default the first), retried on connection errors,
-        429 and 5xx; a 4xx is a ValueError."""
+        429 and 5xx; a 4xx is a ValueError. No answer within ``timeout`` is a
+        :class:`ServerFailed` at once: asking a server too slow for it again only adds to its
+        queue."""
         server = server or self.url
         url = server + path
         data = None if body is None else json.dumps(body).encode("utf-8")
@@ -160,13 +180,16 @@ class OpenAIBackend:
                     payload = response.read()
                 break
             except urllib.error.HTTPError as err:
-                detail = err.read().decode("utf-8", "replace")[:800]
+                detail = " ".join(err.read().decode("utf-8", "replace")[:800].split())
                 if err.code != 429 and err.code < 500:
                     hint = " (does --url end in /v1?)" if err.code == 404 else ""
                     raise ValueError(f"{method} {url} was refused with HTTP {err.code}{hint}: "
                                      f"{detail}") from None
                 problem, failure = f"HTTP {err.code}: {detail}", ServerFailed
             except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
+                if _timed_out(err):
+                    raise ServerFailed(f"{method} {url} got no answer within the timeout of "
+                                       f"{self.timeout:g} s (--timeout)") from None
                 problem = str(getattr(err, "reason", None) or err) or type(err).__name__
                 failure = ConnectionError
             if attempt == retries:
@@ -183,7 +206,14 @@ class OpenAIBackend:
         """The server answers and serves ``model``: a clear error before any work."""
         for server in self.urls:
             listed = self.request("GET", "/models", retries=min(self.retries, 2), server=server)
-            served = [m.get("id") for m in listed.get("data", []) if isinstance(m, dict)]
+            models = listed.get("data") if isinstance(listed, dict) else None
+            served = [m.get("id") for m in models if isinstance(m, dict)] \
+                if isinstance(models, list) else []
+            if not served:
+                raise ValueError(f"the server at {server} answered GET /models with "
+                                 f"{json.dumps(listed)[:200]}, not a list of the models it "
+                                 f"serves ({{\"data\": [{{\"id\": NAME}}]}}); is --url the "
+                                 f"address of an OpenAI-compatible server, ending in /v1?")
             if self.model not in served:
                 raise ValueError(f"the server at {server} serves {served}, not "
                                  f"{self.model!r}; pass --model with one of those names")
@@ -199,20 +229,30 @@ class OpenAIBackend:
             reply = self.request("POST", "/chat/completions", body, server=server)
         except ServerFailed as err:
             raise BadAnswer(str(err)) from None
-        if not same_model(self.model, reply.get("model")):
+        if not isinstance(reply, dict):
+            raise BadAnswer(f"{server}/chat/completions answered with a JSON {_kind(reply)}, not "
+                            f"a completion object: {json.dumps(reply)[:300]}")
+        served = reply.get("model")
+        if not same_model(self.model, None if served is None else str(served)):
             raise ValueError(f"asked {server} for model {self.model!r}, it answered as "
-                             f"{reply.get('model')!r}: another model would write these rows; "
+                             f"{served!r}: another model would write these rows; "
                              f"serve the target alone, or pass the name it serves as --model")
         try:
             choice = reply["choices"][0]
-            text = choice["message"]["content"] or ""
+            text = choice["message"]["content"]
             reason = choice.get("finish_reason")
-        except (KeyError, IndexError, TypeError):
+        except (KeyError, IndexError, TypeError, AttributeError):
             raise BadAnswer(f"{server}/chat/completions answered without a message: "
                             f"{json.dumps(reply)[:300]}") from None
-        usage = reply.get("usage") or {}
-        answer = Answer(text, reason in ("stop", "eos"), usage.get("prompt_tokens"),
-                        usage.get("completion_tokens"))
+        if text is None:  # (how some servers send an empty answer)
+            text = ""
+        if not isinstance(text, str):
+            raise BadAnswer(f"{server}/chat/completions answered with message content that is "
+                            f"not text but a JSON {_kind(text)}: {json.dumps(text)[:200]}")
+        usage = reply.get("usage")
+        usage = usage if isinstance(usage, dict) else {}
+        answer = Answer(text, reason in ("stop", "eos"), _count(usage.get("prompt_tokens")),
+                        _count(usage.get("completion_tokens")))
         problem = answer_problem(answer, max_new_tokens, reason)
         if problem:
             raise BadAnswer(problem)
