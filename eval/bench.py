@@ -37,7 +37,7 @@ import torch
 from eval.engine import check_prompt
 from eval.forward import COMPILE_MODES
 from eval.llama_bench import ENGINE as LLAMA_ENGINE
-from eval.llama_bench import EngineRun, cross_check, llama_engine
+from eval.llama_bench import EngineRun, check_work_dir, cross_check, llama_engine
 from eval.methods import (
     build_methods,
     dest,
@@ -78,7 +78,7 @@ from heads.command_line import run_command
 from heads.output_dir import named_paths, write_atomic
 from heads.target import dtype_name, load_target, parse_dtype
 from layouts.gguf import DEFAULT_GGUF_TYPE
-from layouts.llama_cpp import GGUF_TYPES
+from layouts.llama_cpp import GGUF_TYPES, stop_on_signals
 
 # ---------------------------------------------------------------------------------------------
 # running
@@ -264,6 +264,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                 "--engine llama.cpp, --temperature 0 and no --llama-draft-p-min")
     # never onto an input (the prompts, the target, an artifact or a file in it), checked now
     inputs = named_paths(args.prompts, args.target, args.tree_calibration_prompts, *args.methods)
+    check_distinct_outputs(p, args)
+    if args.llama_work_dir:
+        try:
+            check_work_dir(args.llama_work_dir, inputs)
+        except ValueError as err:
+            p.error(f"--llama-work-dir: {err}")
     for name in ("out", "html"):
         if getattr(args, name):
             try:
@@ -271,6 +277,26 @@ def parse_args(argv=None) -> argparse.Namespace:
             except ValueError as err:
                 p.error(f"--{name}: {err}")
     return args
+
+
+OUTPUTS = ("out", "html", "llama_work_dir")  # what the command writes, each its own path
+
+
+def check_distinct_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """No two outputs on one path (``--out r --html r`` would leave the page where the JSON was):
+    refused before any work."""
+    seen: dict[Path, str] = {}
+    for name in OUTPUTS:
+        value = getattr(args, name, None)
+        if not value:
+            continue
+        path, flag = Path(value).expanduser().resolve(), "--" + name.replace("_", "-")
+        for other, other_flag in seen.items():
+            if other == path or (path.exists() and other.exists() and os.path.samefile(path,
+                                                                                       other)):
+                parser.error(f"{other_flag} and {flag} name the same path ({value}): one would "
+                             "overwrite the other; give each its own path")
+        seen[path] = flag
 
 
 # --compile auto compiles (max) a target this large or larger for a run that decodes this many
@@ -637,8 +663,12 @@ def format_report(report: dict) -> str:
 
 
 def run_cli(argv=None) -> int:
-    """``python -m eval.bench``: errors in the user's input end in one line, not a traceback."""
-    return run_command(lambda: main(argv), "python -m eval.bench")
+    """``python -m eval.bench``: errors in the user's input end in one line, not a traceback; a
+    signal (SIGTERM, Ctrl-C, SIGHUP) stops every llama-server and removes the temporary work
+    directory before the exit (status 128 + the signal's number)."""
+    prog = "python -m eval.bench"
+    with stop_on_signals(prog):
+        return run_command(lambda: main(argv), prog)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ second on this machine.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from eval.block_auto import auto_block_length
@@ -40,7 +42,7 @@ from eval.runners import (
 from eval.sampling import warp
 from eval.tree import DraftTree
 from heads.artifact import read_artifact_config
-from heads.dflash import DFlashConfig, DFlashDraft
+from heads.dflash import ConfigValueError, DFlashConfig, DFlashDraft
 from layouts.dflash import SPEC_TYPES, export_block, load_block_draft
 
 
@@ -75,8 +77,12 @@ class BlockProposer(Proposer):
                       method: str | None = None, block_size: int | None = None,
                       min_confidence: float = 0.0, name: str = "dflash",
                       allow_other_weights: bool = False) -> BlockProposer:
-        draft = load_block_draft(path, target, dtype=dtype, method=method,
-                                 allow_other_weights=allow_other_weights)
+        try:
+            draft = load_block_draft(path, target, dtype=dtype, method=method,
+                                     allow_other_weights=allow_other_weights)
+        except ConfigValueError as err:  # read from a published layout: which file said it
+            raise ValueError(f"{Path(path) / 'config.json'}: {err} (the file is damaged or "
+                             "hand-edited)") from err
         return cls(draft, block_size=block_size, min_confidence=min_confidence, name=name)
 
     def _features(self, hidden) -> torch.Tensor:
@@ -216,7 +222,8 @@ def serve_block(method: str):
         path = ctx.work_dir / f"{method}-{len(list(ctx.work_dir.glob('*.gguf')))}.gguf"
         gguf = export_block(arg, "gguf", path, target=ctx.target, gguf_type=ctx.gguf_type,
                             overwrite=True)
-        most = DFlashConfig.from_dict(read_artifact_config(arg)).drafts_per_block
+        most = DFlashConfig.from_dict(read_artifact_config(arg),
+                                      Path(arg) / "config.json").drafts_per_block
         return ctx.draft_args(gguf, SPEC_TYPES[method], most)
 
     serve.__name__ = f"serve_{method}"

@@ -40,6 +40,7 @@ from eval.methods import build_methods, method_for, resolve
 from eval.runners import Method, run_benchmark
 from eval.sampling import SamplingParams
 from eval.summary import PromptRun
+from heads.output_dir import check_writable_dir
 from heads.target import Target
 from layouts.llama_cpp import LlamaServer, find_llama_server
 
@@ -145,7 +146,8 @@ def serve_methods(specs: list[str], ctx: ServeContext, *, threads: int, ctx_size
         server = LlamaServer(["-m", str(ctx.target_gguf), "-c", str(ctx_size), "-np", "1",
                               *args], name=spec, threads=threads, server=server_path,
                              log_dir=ctx.work_dir / "logs")
-        stack.enter_context(server)
+        stack.callback(server.stop)  # registered before it starts: a stop while it loads ends it
+        server.start()
         method = LlamaMethod(spec, server)
         method.server_vocab = ctx.target.vocab_size
         method.draft_max = (int(args[args.index("--spec-draft-n-max") + 1])
@@ -154,11 +156,32 @@ def serve_methods(specs: list[str], ctx: ServeContext, *, threads: int, ctx_size
     return methods
 
 
+def check_work_dir(requested: str, inputs) -> Path:
+    """``--llama-work-dir``: a directory (made if missing) that can be written and is none of the
+    run's inputs nor inside one (its GGUF exports and logs would land there); a ValueError else."""
+    path = Path(requested).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{requested} exists and is not a directory: give a directory for the "
+                         "run's GGUF exports and server logs (a new path is made)")
+    real = path.resolve()
+    for source in inputs:  # files are added to it, so it may hold an input, not be or sit in one
+        source = Path(source).resolve()
+        if real == source or source in real.parents:
+            raise ValueError(f"{requested} {'is' if real == source else 'is inside'} an input of "
+                             f"this run ({source}); choose another directory")
+    return check_writable_dir(path, "work directory")
+
+
 def work_dir(requested: str | None) -> tuple[Path, contextlib.AbstractContextManager]:
-    """The run's scratch directory: the one asked for (kept), else a temporary one."""
+    """The run's scratch directory: the one asked for (kept), else a temporary one (removed
+    however the run ends, a signal included)."""
     if requested:
-        path = Path(requested)
-        path.mkdir(parents=True, exist_ok=True)
+        path = Path(requested).expanduser()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"--llama-work-dir {requested} cannot be made: "
+                             f"{err.strerror or err}") from err
         return path, contextlib.nullcontext()
     tmp = tempfile.TemporaryDirectory(prefix="draftsmith-llama-")
     return Path(tmp.name), tmp

@@ -30,6 +30,7 @@ and llama.cpp load are layouts/dflash.py.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -54,6 +55,21 @@ METHODS = ("dflash", "dspark")
 DEFAULT_BLOCK_SIZE = 8
 DEFAULT_LAYERS = 2
 DEFAULT_MARKOV_RANK = 64
+# the most tokens a block may hold: published DFlash drafts use 16, acceptance never reaches this
+# far, and each round's tensors grow with the block (a hand-edited 10**9 would allocate gigabytes)
+MAX_BLOCK_SIZE = 64
+
+
+class ConfigValueError(ValueError):
+    """A block draft's config value of the wrong type or out of range; whoever read it from a
+    file says which (:meth:`DFlashConfig.from_dict`, ``eval.dflash.BlockProposer``)."""
+
+
+def _check_integer(name: str, value, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or \
+            (high is not None and value > high):
+        span = f">= {low}" if high is None else f"in {low}..{high}"
+        raise ConfigValueError(f"{name} must be an integer {span}, got {value!r}")
 
 
 def default_target_layer_ids(target_layers: int, count: int) -> tuple[int, ...]:
@@ -68,9 +84,13 @@ def default_target_layer_ids(target_layers: int, count: int) -> tuple[int, ...]:
 
 
 def check_target_layer_ids(ids, target_layers: int) -> tuple[int, ...]:
-    ids = tuple(int(i) for i in ids)
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__") or any(
+            isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise ConfigValueError(f"target_layer_ids must be a list of integer layer ids, got "
+                               f"{ids!r}")
+    ids = tuple(ids)
     if not ids or list(ids) != sorted(set(ids)) or ids[0] < 0 or ids[-1] > target_layers - 2:
-        raise ValueError(
+        raise ConfigValueError(
             f"target_layer_ids {list(ids)} must be ascending layer ids in 0..{target_layers - 2} "
             f"(the output of decoder layer k, not the last layer) for a target with "
             f"{target_layers} layers")
@@ -103,31 +123,46 @@ class DFlashConfig:
 
     def __post_init__(self):
         if self.method not in METHODS:
-            raise ValueError(f"block draft method {self.method!r}: choose one of {METHODS}")
+            raise ConfigValueError(f"block draft method {self.method!r}: choose one of {METHODS}")
+        _check_integer("target_num_layers", self.target_num_layers, 1)
         self.target_layer_ids = check_target_layer_ids(self.target_layer_ids,
                                                        self.target_num_layers)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"DFlashConfig.{name} must be an integer >= 1, got {value!r}")
+            _check_integer(f"DFlashConfig.{name}", getattr(self, name), 1)
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_key_value_heads {self.num_key_value_heads} must divide "
-                             f"num_attention_heads {self.num_attention_heads}")
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or \
-                self.block_size < 2:
-            raise ValueError(f"block_size must be an integer >= 2, got {self.block_size!r}")
+            raise ConfigValueError(f"num_key_value_heads {self.num_key_value_heads} must "
+                                   f"divide num_attention_heads {self.num_attention_heads}")
+        _check_integer("max_position_embeddings", self.max_position_embeddings, 2)
+        # a block never holds more tokens than positions exist, nor more than MAX_BLOCK_SIZE
+        _check_integer("block_size", self.block_size, 2,
+                       min(MAX_BLOCK_SIZE, self.max_position_embeddings))
+        _check_integer("mask_token_id", self.mask_token_id, 0)
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary "
-                             f"0..{self.vocab_size - 1}")
+            raise ConfigValueError(f"mask_token_id {self.mask_token_id} is outside the "
+                                   f"vocabulary 0..{self.vocab_size - 1}")
         n = self.draft_vocab_size
-        if n is not None and not 1 <= n <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size must be None or in 1..{self.vocab_size}, got {n}")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int)
+                              or not 1 <= n <= self.vocab_size):
+            raise ConfigValueError(f"draft_vocab_size must be None or in 1..{self.vocab_size}, "
+                                   f"got {n!r}")
+        _check_integer("markov_rank", self.markov_rank, 0)
+        if not isinstance(self.confidence_head, bool):
+            raise ConfigValueError(f"confidence_head must be true or false, got "
+                                   f"{self.confidence_head!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not math.isfinite(value) or value <= 0:
+                raise ConfigValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if not isinstance(self.hidden_act, str):
+            raise ConfigValueError(f"hidden_act must be an activation's name, got "
+                                   f"{self.hidden_act!r}")
         if self.method == "dspark" and self.markov_rank < 1:
-            raise ValueError("a DSpark draft has a Markov head: markov_rank must be >= 1")
+            raise ConfigValueError("a DSpark draft has a Markov head: markov_rank must be >= 1")
         if self.method == "dflash" and (self.markov_rank or self.confidence_head):
-            raise ValueError("a DFlash draft has no Markov or confidence head (that is DSpark: "
-                             "method dspark)")
+            raise ConfigValueError("a DFlash draft has no Markov or confidence head (that is "
+                                   "DSpark: method dspark)")
 
     @property
     def sample_from_anchor(self) -> bool:
@@ -153,9 +188,20 @@ class DFlashConfig:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict) -> DFlashConfig:
+    def from_dict(cls, data: dict, source: str | os.PathLike | None = None) -> DFlashConfig:
+        """The config a ``config.json`` records; a missing or wrong value is a ValueError naming
+        ``source`` (the file) and the key, raised before anything is built from it."""
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        where = source or "the block draft's config.json"
+        try:
+            return cls(**{k: v for k, v in data.items() if k in names})
+        except TypeError as err:  # a key missing
+            missing = sorted(f.name for f in fields(cls) if f.name not in data)
+            raise ValueError(f"{where}: no {', '.join(missing) or 'valid keys'} ({err}); the file "
+                             "is damaged or hand-edited: write it again by training") from err
+        except ConfigValueError as err:
+            raise ValueError(f"{where}: {err} (the file is damaged or hand-edited: write it "
+                             "again by training, or fix that key)") from err
 
     @classmethod
     def from_target(cls, target: Target, method: str = "dflash", *,
@@ -455,7 +501,7 @@ def load_dflash(directory: str | os.PathLike, target: Target, dtype: torch.dtype
                          f"--method {meta['method']}:{directory}")
     target.check_identity(meta.get("target", {}), what=f"{meta['method']} artifact {directory}",
                           allow_other_weights=allow_other_weights)
-    config = DFlashConfig.from_dict(meta)
+    config = DFlashConfig.from_dict(meta, directory / "config.json")
     maps = {"d2t": state.get("d2t"), "t2d": state.get("t2d")}
     if config.draft_vocab_size is not None and (maps["d2t"] is None or maps["t2d"] is None):
         raise ValueError(f"{directory}: draft_vocab_size {config.draft_vocab_size} but no d2t/t2d")

@@ -21,10 +21,11 @@ from pathlib import Path
 
 from heads.command_line import USER_ERRORS, run_command
 from heads.methods import artifact_method
+from heads.output_dir import named_paths, refuse_inputs
 from heads.target import Target
 from layouts.files import ExportOptions, check_format
 from layouts.gguf import DEFAULT_GGUF_TYPE
-from layouts.llama_cpp import GGUF_TYPES
+from layouts.llama_cpp import GGUF_TYPES, stop_on_signals
 from layouts.table import all_formats, layouts_of, refused_formats
 from layouts.verdicts import say
 
@@ -48,6 +49,9 @@ def export(
     method = artifact_method(artifact_dir)
     row = layouts_of(method)
     check_format(row.formats, row.refused, method, fmt)
+    # never onto the --target it reads (a .gguf, a directory), not even with --overwrite; each
+    # layout protects the artifact and checks the rest of its destination
+    refuse_inputs([out_dir], named_paths(getattr(target, "path", target)), into=False)
     options = ExportOptions(verifier=verifier, base_model=base_model, target=target,
                             write_pt=write_pt, overwrite=overwrite, gguf_type=gguf_type)
     return row.export(artifact_dir, fmt, out_dir, options)
@@ -105,8 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command; a user's mistake is one line on stderr and exit status 2."""
-    return run_command(lambda: _run(build_parser().parse_args(argv)), "python -m heads.export")
+    """The command; a user's mistake is one line on stderr and exit status 2. A signal
+    (SIGTERM, Ctrl-C, SIGHUP) stops the converter and removes the partial files: exit status 128
+    + its number."""
+    prog = "python -m heads.export"
+    with stop_on_signals(prog):
+        return run_command(lambda: _run(build_parser().parse_args(argv)), prog)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -33,7 +33,15 @@ The ``llama-server`` used is, in order: ``$LLAMA_SERVER``, a ``llama-server`` on
 cache's build; :func:`find_llama_server` checks that it offers the speculative types asked for
 (``--spec-type`` in its ``--help``). GGUF files are written by that source tree's own
 ``convert_hf_to_gguf.py`` (:func:`convert_to_gguf`), with the tree's own ``gguf-py`` first on
-``PYTHONPATH`` (newer than PyPI's gguf); draftsmith writes no GGUF itself.
+``PYTHONPATH`` (newer than PyPI's gguf); draftsmith writes no GGUF itself, but has the converter
+add one metadata key, ``draftsmith.written_by = "draftsmith"`` (:data:`WRITER_KEY`), which is how a
+later export knows a file is its own earlier output (``layouts.gguf.written_by_draftsmith``) and
+may replace it.
+
+A command that starts processes (llama-servers, the converter) stops them however it ends:
+:func:`stop_on_signals` turns SIGTERM, SIGINT and SIGHUP into :class:`Stopped` (exit status 128 +
+the signal's number), so every ``with`` block unwinds (servers stopped, temporary files and
+directories removed); a process is registered for that before anything waits on it.
 """
 
 from __future__ import annotations
@@ -50,10 +58,14 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
+from heads.output_dir import _alive as process_alive
+from heads.output_dir import _host as host_name  # a leftover names the host that wrote it
 from heads.target import cache_root
 
 COMMIT = "0c1e570"  # llama.cpp, 2026-10-01: draft-eagle3, draft-dflash, draft-dspark, n-gram types
@@ -72,6 +84,87 @@ X86_ISA = (("GGML_AVX", ("avx",)), ("GGML_AVX2", ("avx2",)), ("GGML_FMA", ("fma"
 NEVER = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")  # SIGILL under hypervisors (above)
 BUILD_COMMAND = "make llama-cpp"  # what a user runs to build it (python -m layouts.llama_cpp build)
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")  # the converter's --outtype values a head may take
+WRITER_KEY, WRITER = "draftsmith.written_by", "draftsmith"  # the GGUF metadata of our conversions
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+# ------------------------------------------------------------------------------------------------
+# signals: a command that runs processes stops them however it ends
+
+
+class Stopped(SystemExit):
+    """The command was stopped by a signal: raised where it ran, so that every cleanup runs;
+    its exit status is 128 + the signal's number (143 for SIGTERM, 130 for Ctrl-C)."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+_signals = {"installed": 0, "held": 0, "pending": None, "raised": False}
+
+
+def _on_signal(signum, frame) -> None:
+    if _signals["pending"] is not None:  # already stopping: the cleanup under way finishes
+        return
+    _signals["pending"] = signum
+    if not _signals["held"]:
+        _signals["raised"] = True
+        raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """A section a stop must not cut in two (a process started and recorded, a process stopped
+    and reaped): a signal arriving inside it is acted on at its end."""
+    _signals["held"] += 1
+    try:
+        yield
+    finally:
+        _signals["held"] -= 1
+        if not _signals["held"] and _signals["pending"] is not None and not _signals["raised"]:
+            _signals["raised"] = True  # the stop wins over whatever else ended the section
+            raise Stopped(_signals["pending"])
+
+
+@contextlib.contextmanager
+def stop_on_signals(prog: str) -> Iterator[None]:
+    """SIGTERM, SIGINT and SIGHUP raise :class:`Stopped` in the main thread while the block runs
+    (a repeated signal does not cut the cleanup short); the stop is said in one line on stderr.
+    The previous handlers are put back after it. Elsewhere than the main thread: nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _on_signal) for sig in STOP_SIGNALS}
+    _signals["installed"] += 1
+    try:
+        yield
+    except Stopped as stop:
+        print(f"{prog}: stopped by {signal.Signals(stop.signum).name}: the processes it started "
+              "were stopped and its temporary files removed", file=sys.stderr, flush=True)
+        raise
+    finally:
+        _signals["installed"] -= 1
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if not _signals["installed"]:
+            _signals.update(pending=None, raised=False)
+
+
+def end_process(process: subprocess.Popen, *, group: bool = False, grace: float = 15.0) -> None:
+    """SIGTERM (to its process group when ``group``), SIGKILL after ``grace`` seconds; reaped."""
+    with signals_held():
+        if process.poll() is not None:
+            return
+        send = (lambda sig: os.killpg(process.pid, sig)) if group else process.send_signal
+        with contextlib.suppress(ProcessLookupError):
+            send(signal.SIGTERM)
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                send(signal.SIGKILL)
+            process.wait()
 
 
 def install_dir() -> Path:
@@ -327,8 +420,24 @@ def build(jobs: int | None = None) -> Path:
 # the converter
 
 
+# runs the converter as it is, its GGUF writer adding WRITER_KEY to every file it writes
+_MARKED_CONVERTER = f"""\
+import os, runpy, sys
+import gguf
+_init = gguf.GGUFWriter.__init__
+def _marked_init(self, *args, **kwargs):
+    _init(self, *args, **kwargs)
+    self.add_string({WRITER_KEY!r}, {WRITER!r})
+gguf.GGUFWriter.__init__ = _marked_init
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def converter() -> tuple[list[str], dict[str, str]]:
-    """(command prefix, environment) of the source tree's convert_hf_to_gguf.py."""
+    """(command prefix, environment) of the source tree's convert_hf_to_gguf.py (run so that the
+    files it writes carry :data:`WRITER_KEY`)."""
     script = source_dir() / "convert_hf_to_gguf.py"
     if not script.is_file():
         raise FileNotFoundError(
@@ -338,7 +447,7 @@ def converter() -> tuple[list[str], dict[str, str]]:
     env["PYTHONPATH"] = os.pathsep.join(
         [str(source_dir() / "gguf-py"), *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("NO_LOCAL_GGUF", "")
-    return [sys.executable, str(script)], env
+    return [sys.executable, "-c", _MARKED_CONVERTER, str(script)], env
 
 
 def convert_to_gguf(model_dir: str | os.PathLike, out_file: str | os.PathLike, *,
@@ -350,20 +459,56 @@ def convert_to_gguf(model_dir: str | os.PathLike, out_file: str | os.PathLike, *
         raise ValueError(f"GGUF type {outtype!r}: choose one of {', '.join(GGUF_TYPES)}")
     command, env = converter()
     out_file = Path(out_file)
-    tmp = out_file.with_name(f".{out_file.name}.{os.getpid()}.tmp")
+    remove_stale_conversions(out_file)
+    tmp = out_file.with_name(f".{out_file.name}.{host_name()}-{os.getpid()}.tmp")
     command += [str(model_dir), "--outtype", outtype, "--outfile", str(tmp)]
     if target_model_dir is not None:
         command += ["--target-model-dir", str(target_model_dir)]
+    process = None
     try:
-        done = subprocess.run(command, capture_output=True, text=True, env=env)
-        if done.returncode != 0:
-            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-6:])
+        with signals_held():  # started and recorded together: a stop then ends it
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       stdin=subprocess.DEVNULL, text=True, env=env)
+        stdout, stderr = process.communicate()
+        if process.returncode != 0:
+            tail = "\n".join((stderr or stdout).strip().splitlines()[-6:])
             raise ValueError(f"llama.cpp's convert_hf_to_gguf.py refused {model_dir}:\n{tail}")
         os.chmod(tmp, 0o644)
         os.replace(tmp, out_file)
     finally:
+        if process is not None:
+            end_process(process, grace=10.0)
         tmp.unlink(missing_ok=True)
     return out_file
+
+
+def stale_writer(name: str, prefix: str, suffix: str = "") -> bool:
+    """Whether ``name`` is ``<prefix><host>-<pid><suffix>`` of a process of this host that no
+    longer runs (or ``<prefix><pid><suffix>``, as draftsmith named them before hosts were named).
+    """
+    if not name.startswith(prefix) or not name.endswith(suffix):
+        return False
+    writer = name[len(prefix):len(name) - len(suffix)]
+    host, _, pid = writer.rpartition("-")
+    if not pid.isdigit() or host not in ("", host_name()) or (not host and "-" in writer):
+        return False
+    return not process_alive(int(pid))
+
+
+def remove_stale_conversions(out_file: str | os.PathLike) -> list[Path]:
+    """Delete the partial ``.<out>.<host>-<pid>.tmp`` files that conversions into ``out_file``
+    killed before they finished left beside it (their process gone); -> what was deleted."""
+    out_file = Path(out_file)
+    removed = []
+    if not out_file.parent.is_dir():
+        return removed
+    for leftover in out_file.parent.iterdir():
+        if stale_writer(leftover.name, f".{out_file.name}.", ".tmp") and leftover.is_file() \
+                and not leftover.is_symlink():
+            with contextlib.suppress(FileNotFoundError):
+                leftover.unlink()
+            removed.append(leftover)
+    return removed
 
 
 # ------------------------------------------------------------------------------------------------
@@ -420,8 +565,17 @@ class LlamaServer:
                    "--threads", str(self.threads), "--poll", "0", "--no-webui"]
         self._log = open(self.log_path, "wb")
         env = {**os.environ, "LLAMA_TRACE": "1"}
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
-                                        env=env, start_new_session=True)
+        try:
+            with signals_held():  # started and recorded together: stop() then ends it
+                self.process = subprocess.Popen(command, stdout=self._log,
+                                                stderr=subprocess.STDOUT, env=env,
+                                                start_new_session=True)
+            self._wait_healthy()
+        except BaseException:  # a stop while it loads included: never a server left running
+            self.stop()
+            raise
+
+    def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.timeout
         while True:
             if self.process.poll() is not None:
@@ -443,15 +597,8 @@ class LlamaServer:
             time.sleep(0.25)
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        if self.process is not None:
+            end_process(self.process, group=True)
         if getattr(self, "_log", None) is not None and not self._log.closed:
             self._log.close()
 
@@ -582,4 +729,5 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     from heads.command_line import run_command
 
-    sys.exit(run_command(main, "python -m layouts.llama_cpp"))
+    with stop_on_signals("python -m layouts.llama_cpp"):  # a build's cmake/ninja ended too
+        sys.exit(run_command(main, "python -m layouts.llama_cpp"))

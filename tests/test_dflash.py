@@ -147,6 +147,53 @@ def test_artifact_round_trip_and_refusals(target, tmp_path):
         DFlashConfig(**{**draft.config.to_dict(), "method": "dflash"})
 
 
+@pytest.mark.parametrize("key,value,said", [
+    ("block_size", 10**9, "block_size must be an integer in 2..64, got 1000000000"),
+    ("block_size", 1e9, "block_size must be an integer in 2..64, got 1000000000.0"),
+    ("block_size", 4.0, "block_size must be an integer in 2..64, got 4.0"),
+    ("block_size", 65, "block_size must be an integer in 2..64, got 65"),
+    ("max_position_embeddings", 3, "block_size must be an integer in 2..3, got 4"),
+    ("mask_token_id", 3.5, "mask_token_id must be an integer >= 0, got 3.5"),
+    ("markov_rank", "8", "markov_rank must be an integer >= 0, got '8'"),
+    ("target_layer_ids", [0.0, 2.0], "target_layer_ids must be a list of integer layer ids"),
+    ("rope_theta", "big", "rope_theta must be a finite number > 0, got 'big'"),
+    ("confidence_head", "yes", "confidence_head must be true or false"),
+])
+def test_a_hand_edited_config_is_refused_naming_the_file_and_key(target, tmp_path, key, value,
+                                                                 said):
+    """A config.json value that would allocate gigabytes (a block of 10**9 tokens) or is of the
+    wrong type is refused when the draft is read, before anything is built from it."""
+    import json
+
+    path = save_dflash(make_draft(target), tmp_path / "a", target)
+    config = json.loads((path / "config.json").read_text())
+    config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+    for load in (lambda: load_dflash(path, target),
+                 lambda: BlockProposer.from_artifact(str(path), target)):
+        with pytest.raises(ValueError) as info:
+            load()
+        assert str(info.value).startswith(f"{path / 'config.json'}: {said}"), str(info.value)
+
+
+def test_a_published_layout_with_a_huge_block_is_refused_naming_its_file(target, tmp_path):
+    """z-lab's layout (what vLLM reads) keeps block_size in dflash_config: read back, a block of
+    1e9 tokens is refused naming the file, before a block is allocated."""
+    import json
+
+    from layouts.dflash import export_block
+
+    artifact = save_dflash(make_draft(target), tmp_path / "a", target)
+    out = export_block(artifact, "vllm", tmp_path / "vllm")
+    config = json.loads((out / "config.json").read_text())
+    config["dflash_config"]["block_size"] = 1e9
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as info:
+        BlockProposer.from_artifact(str(out), target)
+    assert str(info.value).startswith(f"{out / 'config.json'}: block_size must be an integer in "
+                                      "2..64, got 1000000000"), str(info.value)
+
+
 @pytest.mark.parametrize("method,vocab", [("dflash", None), ("dspark", 40)])
 def test_greedy_output_equals_plain_greedy(target, method, vocab):
     draft = make_draft(target, method, vocab)
