@@ -305,7 +305,7 @@ def eagle_rank_accuracies(head, target: Target, prompts: list[list[int]], *,
             logits = (states @ head.logit_weight.T.to(states.dtype)).float()
             truth = torch.tensor(seq, device=head.device)[rows.to(head.device) + 2 + i]
             if head.version == 3 and head.config.draft_vocab_size < head.config.vocab_size:
-                truth = target_to_draft(head.t2d, truth)
+                truth = target_to_draft(head.t2d, truth, head.d2t)
             rank = _rank_of(logits, truth).cpu()
             totals[i] += len(rows)
             within = (rank >= 0) & (rank < ranks)

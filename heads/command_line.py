@@ -4,6 +4,10 @@ Every ``python -m ...`` entry point runs its ``main`` through :func:`run_command
 ``ValueError`` or ``FileNotFoundError`` (what library code raises at a boundary, saying what it
 received and what to do) is printed as ``<prog>: error: <message>`` instead of a traceback.
 Anything else is a bug and keeps its traceback.
+
+The same commands run as ``draftsmith <command>`` (``draftsmith/cli.py``); there the dispatcher
+calls :func:`invoked_as`, and every parser and error tail names the command the user typed
+(:func:`program`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,18 @@ import sys
 from collections.abc import Callable
 
 USER_ERRORS = (ValueError, FileNotFoundError)
+_INVOKED_AS: dict[str, str] = {}  # a module's own program name -> the name the user typed
+
+
+def invoked_as(module_program: str, typed: str) -> None:
+    """Say that the command whose parser is named ``module_program`` (``python -m eval.bench``)
+    was started as ``typed`` (``draftsmith bench``)."""
+    _INVOKED_AS[module_program] = typed
+
+
+def program(module_program: str) -> str:
+    """The name to show for a command: what the user typed to start it."""
+    return _INVOKED_AS.get(module_program, module_program)
 
 
 def run_command(main: Callable[[], object], prog: str) -> int:
@@ -21,7 +37,7 @@ def run_command(main: Callable[[], object], prog: str) -> int:
     try:
         result = main()
     except USER_ERRORS as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
+        print(f"{program(prog)}: error: {err}", file=sys.stderr)
         return 2
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
 

@@ -129,7 +129,7 @@ def dflash_loss(draft: DFlashDraft, batch: dict, anchors: torch.Tensor, *,
             states = torch.cat([states, code.to(states.dtype)], dim=-1)
         labels = ids[b, q]
         if cfg.draft_vocab_size is not None:
-            labels = target_to_draft(draft.t2d, labels)
+            labels = target_to_draft(draft.t2d, labels, draft.d2t)
         teacher = {}
         if soft_weight or cfg.confidence_head:
             teacher = {"teacher_states": batch["last_hidden"][b, q - 1],

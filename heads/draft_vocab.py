@@ -83,10 +83,20 @@ def draft_token_ids(d2t: torch.Tensor) -> torch.Tensor:
     return torch.arange(d2t.numel(), device=d2t.device) + d2t.to(torch.int64)
 
 
-def target_to_draft(t2d: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
-    """Target ids (any shape) -> their draft ids, -1 where a target id has no draft id."""
-    draft_ids = torch.cumsum(t2d.to(torch.int64), 0) - 1  # (V,): kept ids below, per target id
-    return torch.where(t2d[target_ids], draft_ids[target_ids], -1)
+def target_to_draft(t2d: torch.Tensor, target_ids: torch.Tensor,
+                    d2t: torch.Tensor | None = None) -> torch.Tensor:
+    """Target ids (any shape) -> their draft ids, -1 where a target id has no draft id.
+
+    With ``d2t`` the draft ids come from a search over the n kept ids, so a training step
+    allocates nothing of the target vocabulary's size (a V-long int64 running count otherwise).
+    """
+    target_ids = target_ids.to(torch.int64)
+    if d2t is not None:
+        kept = draft_token_ids(d2t)  # (n,) ascending
+        draft_ids = torch.searchsorted(kept, target_ids).clamp_max(max(kept.numel() - 1, 0))
+    else:
+        draft_ids = (torch.cumsum(t2d.to(torch.int64), 0) - 1)[target_ids]  # kept ids below
+    return torch.where(t2d[target_ids], draft_ids, -1)
 
 
 def maps_from_token_ids(target_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor,

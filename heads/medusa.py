@@ -274,7 +274,7 @@ class MedusaHeads(nn.Module):
         """Target ids -> ids of the heads' logits; -1 where a target id has no draft id."""
         if self.config.draft_vocab_size is None:
             return target_ids
-        return target_to_draft(self.t2d, target_ids)
+        return target_to_draft(self.t2d, target_ids, self.d2t)
 
     def draft_columns(self) -> torch.Tensor | None:
         """(N,) the target id of every draft id (None without a draft vocabulary)."""

@@ -16,6 +16,7 @@
 #                                              | sweep-eagle3-shipped | sweep-medusa-more
 #                                              | sweep-eagle3-offline
 #                                              | engine-costs | engine-bench | engine-chain
+#                                              | memory-probe
 #
 # Each stage is what was run, with its wall-clock on 2 cores noted beside it; the README quotes
 # the figures. Outputs go under runs/ (training) and reports/ (benchmark JSON). Every training
@@ -289,6 +290,11 @@ engine-chain)  # what the shipped EAGLE-3 head is worth as a 3-token chain in bo
     --llama-draft-max 3 --prompts data/eval/mt_bench_question.jsonl --num-prompts 20 \
     --max-new-tokens 128 --temperature 0 --out reports/llama_eagle_chain3_f32.json
   ;;
+memory-probe)  # the memory planner against the allocator, every trainer's tiny config on the
+  # embedded target, full micro-batches and the config's own data, each in a fresh process: ~8 min
+  "$PYTHON" scripts/memory_probe_tiny.py --out reports/memory_probe_tiny.json
+  "$PYTHON" scripts/memory_table.py  # the README's 8B / 70B table (config.json files only)
+  ;;
 llama-bench)  # the shipped drafts served by llama.cpp itself: 20 MT-bench first turns, 128
   # tokens, greedy, one thread per server, on the embedded Q4_1 target and an f32 GGUF of it;
   # drafting stops below p 0.6 (the best of 0, 0.6 and 0.9 on 5 prompts for both heads)
@@ -375,7 +381,7 @@ sweep-eagle3-offline)  # offline features on the 230-conversation sample against
     --name eagle3_shipped_offline
   ;;
 *)
-  echo "usage: $0 prompts|regenerate|eagle|medusa|distill|bench|distill-fixed|shipped-eagle3|shipped-eagle3-bench|shipped-medusa|shipped-medusa-bench|shipped-distill|shipped-distill-tune|shipped-distill-bench|shipped-bench|shipped-heads-t1|shipped-dflash|block-bench|llama-costs|llama-bench|llama-cross-check|llama-regenerate|llama-bench-eagle3|peer-speculators|sweep-eagle3-axes|shipped-eagle3-trees|shipped-eagle3-tree10|sweep-eagle3-shipped|sweep-medusa-more|sweep-eagle3-offline|engine-costs|engine-bench|engine-chain" >&2
+  echo "usage: $0 prompts|regenerate|eagle|medusa|distill|bench|distill-fixed|shipped-eagle3|shipped-eagle3-bench|shipped-medusa|shipped-medusa-bench|shipped-distill|shipped-distill-tune|shipped-distill-bench|shipped-bench|shipped-heads-t1|shipped-dflash|block-bench|llama-costs|llama-bench|llama-cross-check|llama-regenerate|llama-bench-eagle3|peer-speculators|sweep-eagle3-axes|shipped-eagle3-trees|shipped-eagle3-tree10|sweep-eagle3-shipped|sweep-medusa-more|sweep-eagle3-offline|engine-costs|engine-bench|engine-chain|memory-probe" >&2
   exit 2
   ;;
 esac

@@ -201,6 +201,10 @@ def test_draft_heads_project_onto_the_targets_rows_and_map_through_d2t(target32,
     assert torch.equal(heads.target_to_draft(kept), torch.arange(12))
     dropped = torch.nonzero(~t2d).flatten()
     assert (heads.target_to_draft(dropped) == -1).all()
+    # the search over kept ids (no vocabulary-sized temporary) agrees with the running count
+    from heads.draft_vocab import target_to_draft
+    every = torch.arange(t2d.numel()).reshape(2, -1)
+    assert torch.equal(target_to_draft(t2d, every, heads.d2t), target_to_draft(t2d, every))
     names = set(heads.state_dict())
     assert {"d2t", "t2d"} <= names
     assert ("lm_head.weight" in names) is share

@@ -17,7 +17,8 @@ from train.eagle import EagleTrainConfig
 from train.estimate import DoesNotFit, Shape
 from train.memory import estimate
 
-REPORT = Path(__file__).resolve().parents[1] / "reports" / "memory_growth.json"
+REPO = Path(__file__).resolve().parents[1]
+REPORT = REPO / "reports" / "memory_growth.json"
 WIDTHS = {
     "smollm2-135m": Shape(576, 1536, 30, 9, 3, 64, 49152, True),
     "llama-3.1-8b": Shape(4096, 14336, 32, 32, 8, 128, 128256, False),
@@ -51,6 +52,7 @@ def estimated_growth(spec: dict, first: int) -> float:
         version=3 if spec["kind"] == "eagle3" else 1, draft_vocab_size=spec.get("draft_vocab"),
         ttt_steps=spec.get("steps", 1), gradient_checkpointing=spec.get("checkpointing", False),
         num_heads=spec.get("heads", 4), num_layers=1, share_lm_head=True, medusa2=False, lora_r=16,
+        soft_labels=False,
         loss_chunk_size=256, per_device_batch_size=1, max_tokens_per_batch=None,
         mixed_precision="bf16" if spec.get("autocast") == "bf16" else "no",
         packing=bool(spec.get("packed")), attention="auto")
@@ -173,3 +175,32 @@ def test_a_run_that_cannot_fit_is_refused_before_the_target_loads(tmp_path, monk
     assert "GiB" in message and "max_tokens_per_batch" in message
     assert "draft_vocab_size" in message and "loss_chunk_size" in message
     assert "17179869184 tokens" in message  # the budget it was given
+
+
+@pytest.mark.parametrize("hub_id, billions", [
+    ("meta-llama/Llama-3.1-8B-Instruct", 8.030), ("meta-llama/Llama-3.2-1B-Instruct", 1.236),
+    ("Qwen/Qwen3-8B", 8.191), ("Qwen/Qwen3-0.6B", 0.596),
+    ("meta-llama/Llama-3.3-70B-Instruct", 70.554)])
+def test_shipped_shapes_count_the_published_parameters(hub_id, billions):
+    """data/target_configs/ stands in for a model not downloaded: its shapes give the parameter
+    count each model card states (embedding, layers, final norm and an untied LM head)."""
+    from train.estimate import model_shape
+
+    shape = model_shape(hub_id)
+    params = (shape.vocab * shape.hidden * (1 if shape.tied else 2)
+              + shape.layers * shape.layer_params() + shape.hidden)
+    assert params / 1e9 == pytest.approx(billions, rel=2e-3)
+
+
+@pytest.mark.parametrize("config", sorted(
+    str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*/*.yaml")
+    if "8b" in p.name or "70b" in p.name))
+def test_every_shipped_large_recipe_is_estimated_before_any_download(config, capsys):
+    """python -m train.memory prints each 8B / 70B recipe's estimate from the shipped shapes
+    alone, and the recipe fits one 80 GB GPU of eight as the README's table says."""
+    from train.memory import main
+
+    extra = ["--fsdp2"] if "dflash/llama-3.3-70b" in config else []
+    est = main(["--config", str(REPO / config), "--processes", "8", *extra])
+    assert est.total < 80 * 2**30
+    assert "peak:" in capsys.readouterr().out

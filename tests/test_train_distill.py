@@ -241,17 +241,25 @@ def test_on_policy_batch_trains_on_exactly_the_tokens_the_draft_sampled(files, t
     # the divergence is taken at the positions predicting the sampled tokens, and only there
     out, _, _ = draft_sampled_batch(batch, draft, True, max_new_tokens=10, temperature=1.0,
                                     eos_token_ids=eos, pad_token_id=1, max_length=48, seed=11)
-    loss, draft_logits, target_logits = distill_loss(draft, target, out, cfg)
+    # scored from the final hidden states a chunk at a time, it equals the divergence of the
+    # whole logits, value and gradients
+    scores = distill_loss(draft, target, out, cfg)
     keep = next_token_mask(out["loss_mask"]).bool()
-    assert draft_logits.shape == (int(out["loss_mask"].sum()), target.vocab_size)
+    assert scores.count == int(out["loss_mask"].sum())
     full_draft = draft(input_ids=out["input_ids"], attention_mask=out["attention_mask"]).logits
     with torch.no_grad():
         full_target = target.model(input_ids=out["input_ids"],
                                    attention_mask=out["attention_mask"]).logits
     reference = divergence("jsd", full_draft, full_target, keep.float(), beta=cfg.beta)
-    torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-6)
-    loss.backward()
-    assert all(p.grad is not None for p in draft.parameters())
+    torch.testing.assert_close(scores.loss, reference, rtol=1e-5, atol=1e-6)
+    reference.backward()
+    expected = [p.grad.clone() for p in draft.parameters()]
+    draft.zero_grad(set_to_none=True)
+    scores.loss.backward()
+    for p, grad in zip(draft.parameters(), expected, strict=True):
+        torch.testing.assert_close(p.grad, grad, rtol=1e-4, atol=1e-7)
+    agree = (full_draft[keep].argmax(-1) == full_target[keep].argmax(-1)).sum()
+    assert int(scores.agree) == int(agree)
     assert not any(p.requires_grad or p.grad is not None for p in target.model.parameters())
 
 
@@ -277,7 +285,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(files, tmp_path):
         cfg = base_config(files, tmp_path, draft="truncate:2", gradient_checkpointing=checkpointing)
         draft = build_draft(cfg, target).train()
         assert draft.is_activation_checkpointing == checkpointing
-        loss, _, _ = distill_loss(draft, target, batch, cfg, reduction="sum")
+        loss = distill_loss(draft, target, batch, cfg, reduction="sum").loss
         loss.backward()
         grads.append({n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 4
@@ -564,8 +572,12 @@ def test_sharded_target_and_fsdp2_draft_train_the_one_process_steps(files, tmp_p
     gathered = weights_on_disk(str(tmp_path / "two" / "artifact"))
     assert gathered.keys() == whole.keys()
     assert frozen == (not any("embed_tokens" in k for k in whole))
+    # the one-process run scores from hidden states a chunk at a time, the sharded one from
+    # whole logits (its target is split): the same divergence, rounded differently, which
+    # AdamW's normalised steps carry into the weights at the 1e-5 level
     for name, tensor in whole.items():
-        torch.testing.assert_close(gathered[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(gathered[name], tensor, rtol=1e-4, atol=5e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.slow

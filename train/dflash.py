@@ -149,6 +149,8 @@ def memory_parts(cfg, target: Shape, sizes: StepSizes) -> dict[str, float]:
     if cfg.method == "dspark":
         rank = cfg.markov_rank or 64
         trained += rank * (target.vocab + vocab) + h + rank
+    largest = max(vocab * h if cfg.draft_vocab_size else 0, h * target.intermediate, ids * h * h,
+                  (cfg.markov_rank or 64) * target.vocab if cfg.method == "dspark" else 0)
     # blocks start at distinct positions, so a micro-batch holds at most its tokens' worth; with
     # rows batched by count, at most `anchors` per row as well (a token budget bounds only the
     # first: its rows can be as short as a prompt)
@@ -160,12 +162,21 @@ def memory_parts(cfg, target: Shape, sizes: StepSizes) -> dict[str, float]:
     else:
         saved = layers * per_layer
     return {
-        f"trained draft ({trained / 1e6:.0f} M parameters, AdamW)": sizes.optimizer(trained),
+        f"trained draft ({trained / 1e6:.0f} M parameters, AdamW)":
+            sizes.optimizer(trained, largest),
         f"block activations ({layers} layers)": saved * block_tokens
         + layers * 2 * target.kv_dim * act * n,
         "target forward and features": sizes.target_forward + (ids + 1) * h * act * n,
+        # each block slot's loss holds the trained head's gradient, (draft vocabulary, h + the
+        # Markov rank) float32, for backward (heads/chunked_loss.py); a frozen head none
+        "loss's gradient buffers": (cfg.block_size - 1) * 4 * (
+            vocab * (h + ((cfg.markov_rank or 64) if cfg.method == "dspark" else 0))
+            if cfg.draft_vocab_size else 0)
+        + 4 * block_tokens * h,
         f"loss chunk ({min(cfg.loss_chunk_size, block_tokens)} x {vocab})":
-            sizes.loss_chunk(cfg, vocab),
+            sizes.loss_chunk(cfg, vocab, rows=block_tokens,
+                             teacher=target.vocab if cfg.soft_weight else None,
+                             columns=bool(cfg.draft_vocab_size)),
     }
 
 

@@ -44,7 +44,6 @@ draft model in vLLM.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 from collections.abc import Sequence
@@ -58,7 +57,6 @@ from typing import Literal
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np
 import torch
 from accelerate import Accelerator
 from jinja2.exceptions import TemplateError
@@ -72,13 +70,13 @@ from distill.draft import (
     restrict_vocabulary,
     save_draft,
 )
-from distill.losses import (
-    DIVERGENCES,
-    argmax_agreement,
-    divergence,
-    scored_inputs,
-    teacher_logits,
-    tvd,
+from distill.losses import DIVERGENCES, teacher_logits
+from distill.projected import (
+    ProjectedDivergence,
+    distill_scores,
+    hugging_face_model,
+    projects_from_states,
+    teacher_states,
 )
 from eval.draft import PROPOSAL_KEY, DraftModelProposer
 from heads.command_line import run_command, shell_command
@@ -96,6 +94,7 @@ from train.config import LoraKeys, TrainConfig, option, parse_config
 from train.data import collate_causal_lm, load_sft_dataset, read_conversations
 from train.estimate import LAYER_FACTOR, MemoryModel, Shape, StepSizes
 from train.loop import Recipe, StepOutput, TrainResult, start_run
+from train.on_policy import draft_sampled_batch, is_on_policy, seed_from
 from train.sharding import FSDP2, load_run_target, sharding_plan, whole_module
 from train.tracking import AcceptanceEval, PeriodicEval, share_batches
 
@@ -369,109 +368,6 @@ def collate_distill(rows: Sequence[dict], pad_token_id: int) -> dict[str, torch.
 
 
 # ------------------------------------------------------------------------------------------------
-# On-policy batches
-
-
-def _seed_from(*parts: int) -> int:
-    """A 32-bit seed mixing ``parts`` (numpy's SeedSequence: nearby inputs, unrelated seeds)."""
-    return int(np.random.SeedSequence([p & 0xFFFFFFFFFFFFFFFF for p in parts])
-               .generate_state(1)[0])
-
-
-def is_on_policy(seed: int, micro_batch: int, ratio: float) -> bool:
-    """Whether global micro-batch ``micro_batch`` (step x accumulation + index) is on-policy.
-
-    A Bernoulli(ratio) draw from (seed, micro_batch) alone: the same on every process, in every
-    rerun and after a resume.
-    """
-    if ratio <= 0.0:
-        return False
-    if ratio >= 1.0:
-        return True
-    return bool(np.random.default_rng(_seed_from(seed, 0, micro_batch)).random() < ratio)
-
-
-@torch.no_grad()
-def sample_continuations(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                         temperature: float, eos_token_ids: Sequence[int], pad_token_id: int,
-                         seed: int, autocast=None) -> list[list[int]]:
-    """The model's continuation of each prompt, up to and including its first end-of-sequence
-    token, or ``max_new_tokens`` long. One left-padded batched ``generate`` in eval mode.
-
-    Sampling is from softmax(logits / temperature) with no top-k / top-p (0: greedy), seeded by
-    ``seed`` alone; the global random state is left as it was.
-    """
-    from transformers import GenerationConfig
-
-    device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    # left padding: every row's next token is generated at the same column
-    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)  # (rows, width)
-    attention_mask = torch.zeros_like(input_ids)
-    for b, prompt in enumerate(prompts):
-        input_ids[b, width - len(prompt):] = torch.as_tensor(list(prompt))
-        attention_mask[b, width - len(prompt):] = 1
-    eos = [int(i) for i in eos_token_ids]
-    sampling = ({"do_sample": True, "temperature": float(temperature), "top_k": 0, "top_p": 1.0}
-                if temperature > 0 else {"do_sample": False})
-    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos,
-                              pad_token_id=pad_token_id, use_cache=True, **sampling)
-    was_training = model.training
-    model.eval()
-    rng_devices = [device] if device.type == "cuda" else []
-    try:
-        with torch.random.fork_rng(devices=rng_devices), (autocast or contextlib.nullcontext()):
-            torch.manual_seed(seed)
-            output = model.generate(input_ids=input_ids.to(device),
-                                    attention_mask=attention_mask.to(device),
-                                    generation_config=config)  # (rows, width + new)
-    finally:
-        model.train(was_training)
-    continuations = []
-    for tokens in output[:, width:].tolist():
-        end = next((k for k, t in enumerate(tokens) if t in eos), None)
-        continuations.append(tokens if end is None else tokens[: end + 1])
-    return continuations
-
-
-def draft_sampled_batch(batch: dict, draft: nn.Module, on_policy: bool, *, max_new_tokens: int,
-                        temperature: float, eos_token_ids: Sequence[int], pad_token_id: int,
-                        max_length: int, seed: int, autocast=None) -> tuple[dict, int, int]:
-    """The micro-batch to train on, and (rows sampled, tokens sampled).
-
-    Rows to sample (every row when ``on_policy``, else the prompt-only ones) become prompt + the
-    draft's continuation (cut to ``max_length``), with ``loss_mask`` 1 exactly on the sampled
-    tokens; the other rows keep their data. Returned right-padded as
-    :func:`train.data.collate_causal_lm` pads, on the batch's device. ``draft`` is the unwrapped
-    model (``generate`` under no_grad).
-    """
-    answered = batch["answered"].tolist()
-    chosen = [b for b, has_response in enumerate(answered) if on_policy or not has_response]
-    if not chosen:
-        return batch, 0, 0
-    lengths = batch["prompt_length"].tolist()
-    prompts = [batch["prompt_ids"][b, : lengths[b]].tolist() for b in chosen]
-    budget = min(max_new_tokens, max_length - min(len(p) for p in prompts))
-    continuations = sample_continuations(draft, prompts, budget, temperature, eos_token_ids,
-                                         pad_token_id, seed, autocast)
-    sampled = dict(zip(chosen, zip(prompts, continuations, strict=True), strict=True))
-    sizes = batch["attention_mask"].sum(-1).tolist()
-    rows, new_tokens = [], 0
-    for b in range(len(answered)):
-        if b in sampled:
-            prompt, new = sampled[b]
-            new = new[: max_length - len(prompt)]
-            new_tokens += len(new)
-            rows.append({"input_ids": prompt + new, "loss_mask": [0] * len(prompt) + [1] * len(new)})
-        else:
-            rows.append({"input_ids": batch["input_ids"][b, : sizes[b]].cpu(),
-                         "loss_mask": batch["loss_mask"][b, : sizes[b]].cpu()})
-    device = batch["input_ids"].device
-    out = {k: v.to(device) for k, v in collate_causal_lm(rows, pad_token_id).items()}
-    return out, len(chosen), new_tokens
-
-
-# ------------------------------------------------------------------------------------------------
 # The draft and the loss
 
 
@@ -506,26 +402,18 @@ def build_draft(cfg: DistillConfig, target: Target, kept: torch.Tensor | None = 
 
 def inference_model(module: nn.Module) -> nn.Module:
     """The Hugging Face model inside a peft wrapper (adapters active), else ``module``."""
-    from peft import PeftModel
-
-    return module.get_base_model() if isinstance(module, PeftModel) else module
+    return hugging_face_model(module)
 
 
 def distill_loss(model: nn.Module, target: Target, batch: dict, cfg: DistillConfig,
-                 reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, draft_logits, target_logits) over the positions that predict loss-mask tokens.
-
-    Both logits are (n, vocab) for the n positions t with ``loss_mask[:, t + 1] = 1``, in the
-    batch's row-major order: the models compute their LM head at those positions only.
-    """
-    inputs = scored_inputs(batch)
-    target_logits = teacher_logits(target, batch)  # (n, vocab)
-    draft_logits = model(**inputs).logits  # (n, vocab)
-    mask = torch.ones(draft_logits.shape[:-1], device=draft_logits.device)  # (n,)
-    loss = divergence(cfg.divergence, draft_logits, target_logits, mask,
-                      temperature=cfg.temperature, beta=cfg.beta, chunk_size=cfg.loss_chunk_size,
-                      reduction=reduction)
-    return loss, draft_logits, target_logits
+                 reduction: str = "mean", with_tvd: bool = False) -> ProjectedDivergence:
+    """The divergence over the positions that predict loss-mask tokens, with the argmax
+    agreement (and the TVD sum): from the two models' final hidden states, the logits formed a
+    chunk at a time (distill/projected.py), unless a sharded model or a wrapped LM head needs
+    whole (n, vocab) logits."""
+    projected = projects_from_states(model, target, cfg.target_parallel > 1)
+    return distill_scores(model, target, batch, cfg, reduction=reduction, with_tvd=with_tvd,
+                          projected=projected)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -571,7 +459,7 @@ class HeldOutAcceptance(PeriodicEval):
                 batch, target.model, False, max_new_tokens=cfg.on_policy_max_new_tokens,
                 temperature=cfg.temperature, eos_token_ids=target.eos_token_ids,
                 pad_token_id=pad_token_id, max_length=cfg.max_length,
-                seed=_seed_from(cfg.seed, 2, accelerator.process_index, start))
+                seed=seed_from(cfg.seed, 2, accelerator.process_index, start))
             self.batches.append({k: batch[k] for k in ("input_ids", "attention_mask",
                                                        "loss_mask")})
 
@@ -579,16 +467,12 @@ class HeldOutAcceptance(PeriodicEval):
         # float64 sums: (1 - tvd), agreement, divergence, positions
         sums = torch.zeros(4, dtype=torch.float64, device=self.accelerator.device)
         for batch, idle in zip(self.batches, self.idle, strict=True):
-            loss, draft_logits, target_logits = distill_loss(module, self.target, batch, self.cfg,
-                                                             reduction="sum")
+            scores = distill_loss(module, self.target, batch, self.cfg, reduction="sum",
+                                  with_tvd=True)
             if idle:
                 continue
-            n = draft_logits.shape[0]
-            ones = torch.ones(n, device=draft_logits.device)
-            rejected = tvd(draft_logits, target_logits, ones, temperature=self.cfg.temperature,
-                           chunk_size=self.cfg.loss_chunk_size, reduction="sum")
-            agree = argmax_agreement(draft_logits, target_logits, ones) * n
-            sums += torch.stack([n - rejected.double(), agree.double(), loss.double(),
+            n = scores.count
+            sums += torch.stack([n - scores.rejected, scores.agree, scores.loss.double(),
                                  torch.tensor(float(n), dtype=torch.float64, device=sums.device)])
         return sums
 
@@ -638,27 +522,53 @@ def _draft_directory(cfg) -> str | None:
 
 
 def memory_parts(cfg, target: Shape, sizes: StepSizes) -> dict[str, float]:
-    """The trained module with AdamW, its activations, the target's forward and the loss chunk."""
+    """The trained draft with AdamW (a frozen embedding apart), its activations with the float32
+    residual stream of its float32 master weights, the target's forward, and the loss: chunks of
+    both models' logits from their final states, or whole (n, vocab) logits where a sharded
+    target or draft needs them (distill/projected.py)."""
     n, act = sizes.tokens, sizes.act
     parts: dict[str, float] = {}
     d = sizes.draft or target
     layers = d.layers
     if sizes.draft is None and cfg.draft.split(":")[0] in ("truncate", "fresh"):
         layers = int(cfg.draft.split(":")[1])
-    trained = d.params(layers)
+    embedding = d.vocab * d.hidden
+    head = (cfg.draft_vocab_size * d.hidden if cfg.draft_vocab_size
+            else 0 if d.tied else d.vocab * d.hidden)
+    whole = embedding + layers * d.layer_params() + d.hidden + head
+    trained = whole - (embedding if cfg.freeze_embedding else 0)
     if cfg.lora:
         trained = layers * cfg.lora_r * 4 * (d.hidden + d.intermediate)
-        parts["frozen draft weights"] = d.params(layers) * sizes.weight
-    layer = LAYER_FACTOR * d.layer_saved_per_token() * act
-    kept = (layer + layers * 2 * d.hidden * act) if cfg.gradient_checkpointing \
-        else layers * layer
+    if trained != whole:  # float32, like the trained weights (build_draft)
+        parts["frozen draft weights (float32)"] = (whole - trained) * 4
+    # per token: each layer's saved tensors, the residual stream and norms in float32 whatever
+    # autocast computes in (the draft's master weights are float32)
+    layer = LAYER_FACTOR * d.layer_saved_per_token() * act + 4 * d.hidden * (4 - act)
+    kept = (layer + layers * 2 * d.hidden * 4) if cfg.gradient_checkpointing else layers * layer
+    largest = (cfg.lora_r * max(d.hidden, d.intermediate) if cfg.lora else
+               max(0 if cfg.freeze_embedding else embedding, head, d.hidden * d.intermediate))
     parts[f"trained draft ({trained / 1e6:.0f} M parameters, AdamW)"] = \
-        sizes.optimizer(trained)
+        sizes.optimizer(trained, largest)
     parts[f"draft activations ({layers} layers)"] = kept * n
-    parts["target forward"] = sizes.target_forward
-    parts[f"loss chunk ({min(cfg.loss_chunk_size, n)} x {target.vocab})"] = \
-        sizes.loss_chunk(cfg, target.vocab)
+    parts["target forward"] = sizes.target_forward + n * target.hidden * act
+    # the loss holds the trained LM head's gradient, float32, for backward (distill/projected.py)
+    parts["loss's gradient buffers"] = (0 if cfg.lora else (
+        cfg.draft_vocab_size or d.vocab) * d.hidden * 4) + n * d.hidden * 4
+    chunk = min(cfg.loss_chunk_size, n)
+    parts[f"loss chunk ({chunk} x {target.vocab})"] = \
+        DISTILL_CHUNK_COPIES[cfg.divergence == "jsd"] * chunk * target.vocab * 4
+    if int(getattr(cfg, "target_parallel", 1)) > 1 or sizes.trained_shards > 1:
+        # whole logits at the scored positions: the target's (its dtype), the draft's (cast to
+        # float32 by mixed precision's output wrapper) and the loss's float32 gradient buffer
+        parts[f"whole logits ({n} x {target.vocab}, sharded models)"] = \
+            n * target.vocab * (sizes.weight + 4 + 4)
     return parts
+
+
+# float32 (chunk, vocab) tensors a chunk of the projected divergence holds at once (both logits
+# and log-softmaxes, the kernel's terms, the gradient), measured with
+# train.memory_probe.allocation_peak: 6.75 for forward_kl, reverse_kl and tvd; 8.5 for jsd
+DISTILL_CHUNK_COPIES = {False: 7, True: 9}
 
 
 MEMORY = MemoryModel(memory_parts, shrink_keys=(
@@ -731,14 +641,12 @@ def build(cfg: DistillConfig) -> Recipe:
         on_policy = is_on_policy(cfg.seed, micro_index, cfg.on_policy_ratio)
         batch, sampled_rows, sampled_tokens = draft_sampled_batch(
             batch, accelerator.unwrap_model(model), on_policy,
-            seed=_seed_from(cfg.seed, 1, micro_index, accelerator.process_index), **sampling)
-        loss, draft_logits, target_logits = distill_loss(model, target, batch, cfg,
-                                                         reduction="sum")
-        n = draft_logits.shape[0]
-        ones = torch.ones(n, device=draft_logits.device)
-        agree = argmax_agreement(draft_logits, target_logits, ones).detach() * n
-        return StepOutput(loss, {"agreement": (agree, n), "on_policy": (float(on_policy), 1),
-                                 "sampled_tokens": (sampled_tokens, sampled_rows)})
+            seed=seed_from(cfg.seed, 1, micro_index, accelerator.process_index), **sampling)
+        scores = distill_loss(model, target, batch, cfg, reduction="sum")
+        agree, n = scores.agree, scores.count
+        return StepOutput(scores.loss, {"agreement": (agree, n),
+                                        "on_policy": (float(on_policy), 1),
+                                        "sampled_tokens": (sampled_tokens, sampled_rows)})
 
     acceptance = AcceptanceEval(
         accelerator, cfg, target,
@@ -748,7 +656,8 @@ def build(cfg: DistillConfig) -> Recipe:
                   export=partial(export, cfg, accelerator, target, kept),
                   evaluators=[heldout, acceptance], first_record=first,
                   on_resume=check_vocabulary,
-                  target_forward=partial(teacher_logits, target))
+                  target_forward=partial(teacher_states if projects_from_states(
+                      draft, target, cfg.target_parallel > 1) else teacher_logits, target))
 
 
 def export(cfg: DistillConfig, accelerator, target: Target, kept: torch.Tensor | None,

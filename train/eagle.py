@@ -221,6 +221,8 @@ def memory_parts(cfg, target: Shape, sizes: StepSizes) -> dict[str, float]:
     draft_vocab = (cfg.draft_vocab_size or target.vocab) if version == 3 else target.vocab
     layer_in = 2 * h
     trained = target.layer_params(layer_in) + (3 if version == 3 else 2) * h * h
+    if version == 3:  # the fused features' norm and the final norm
+        trained += 2 * h
     if version == 3:
         trained += draft_vocab * h
     steps = cfg.ttt_steps if version == 3 else 1
@@ -233,8 +235,10 @@ def memory_parts(cfg, target: Shape, sizes: StepSizes) -> dict[str, float]:
     else:
         kept = steps * per_step
     features = (4 if version == 3 else 2) * h * act  # the hidden states the head reads
+    largest = max(draft_vocab * h if version == 3 else 0, (3 if version == 3 else 2) * h * h,
+                  h * target.intermediate)
     parts[f"trained head ({trained / 1e6:.0f} M parameters, AdamW)"] = \
-        sizes.optimizer(trained)
+        sizes.optimizer(trained, largest)
     parts[f"head activations ({steps} test-time step{'s' if steps > 1 else ''})"] = \
         kept * n
     # the attention's own inputs and output, kept for its backward: flex lays every earlier
@@ -251,8 +255,13 @@ def memory_parts(cfg, target: Shape, sizes: StepSizes) -> dict[str, float]:
             attention += (steps + 3) * n  # bytes per token of the masks
     parts[f"test-time attention activations ({kernel})"] = attention * n
     parts["target forward and features"] = sizes.target_forward + features * n
+    # the loss's gradients, formed in its forward and held for backward: the states' and (EAGLE-3)
+    # its own head's, (draft vocabulary, h) float32 (heads/chunked_loss.py)
+    parts["loss's gradient buffers"] = (steps * n * h + (draft_vocab * h if version == 3
+                                                          else 0)) * 4
     parts[f"loss chunk ({min(cfg.loss_chunk_size, n)} x {draft_vocab})"] = \
-        sizes.loss_chunk(cfg, draft_vocab)
+        sizes.loss_chunk(cfg, draft_vocab, teacher=target.vocab,
+                         columns=version == 3 and bool(cfg.draft_vocab_size))
     return parts
 
 

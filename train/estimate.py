@@ -12,16 +12,26 @@ it for a config):
   its embedding, final norm and LM head when a run trains from a finished feature cache; its
   decoder layers split over ``target_parallel`` processes (plus the two layers gathered at a
   time: the one running and the next, prefetched) when it is sharded;
-* **trained parameters**: fp32 master weights, gradients and AdamW's two moments (16 bytes per
-  parameter), the gradient being accumulated as it arrives (4 more: the measured intercept of a
-  step), and DDP's gradient buckets when there are several processes (4 more); under FSDP2 the
-  20 bytes are split over the processes and the gathered weights (one copy in the compute dtype)
-  are added instead of the buckets;
+* **trained parameters**: fp32 master weights and AdamW's two moments (12 bytes per parameter),
+  and DDP's gradient buckets when there are several processes (4 more); under FSDP2 the 12 bytes
+  are split over the processes and the gathered weights (one copy in the compute dtype) are added
+  instead of the buckets; the gradients (4 bytes) where they outlive a step (gradient
+  accumulation);
 * **activations** (the trainer's :class:`MemoryModel` counts its own): per token of a micro-batch (``max_tokens_per_batch``, else
   ``per_device_batch_size x max_length``, padding counted): what the trained module keeps for its
   backward pass, the frozen target's no-grad forward (one layer's temporaries and the hidden
   states the head reads), and one chunk of the large-vocabulary loss (``loss_chunk_size`` x
   vocabulary, a few times), which does not grow with the sequence.
+
+Not everything is held at once. The activations, the loss chunk and the target's forward live
+in the forward and backward passes; the gradients (unless accumulated) and the optimizer's own
+temporaries (AdamW's ``sqrt`` of the second moment: one float32 copy of every parameter with the
+multi-tensor kernels a GPU uses, up to three of the largest parameter in the one-tensor loop a
+CPU runs)
+live in the optimizer step, after the backward has freed the activations. The peak is what is
+held plus the larger of the two phases (:attr:`Estimate.total`); ``python -m train.memory_probe``
+measures both phases with the allocator's own events and ``tests/test_memory_probe.py`` checks
+the plan against them.
 
 The per-token figures are a decoder layer's saved tensors counted from its shapes, scaled by
 factors measured on this machine (``scripts/memory_growth.py`` ->
@@ -48,8 +58,6 @@ EAGLE_FACTOR = 1.40   # one EAGLE test-time step (SmolLM2 1.31, Llama-3.1-8B 1.0
 # the shape count gave 52 (reports/memory_growth.json, width "tiny")
 EAGLE_STEP_OVERHEAD = 1280
 NO_GRAD_FACTOR = 1.15  # the frozen target's no-grad forward, per token (one layer's temporaries)
-LOSS_CHUNK_COPIES = 6  # logits, log-softmax, the target's logits and distribution, gradients
-#                        (Llama-3.1-8B's EAGLE-1, full vocabulary, T 128 -> 256: 5.4 measured)
 HEADROOM = 0.92        # the share of a device's memory a run may plan to use
 # the process itself: the CUDA context and the caching allocator's slack on a GPU; on a CPU the
 # interpreter, torch, the tokenised data and glibc's retained arenas (train.speed measured 2.36 GB
@@ -115,20 +123,49 @@ class Shape:
         return 2 * self.hidden + self.q_dim + 2 * self.kv_dim + 3 * self.intermediate
 
 
+FORWARD_BACKWARD, OPTIMIZER_STEP = "forward and backward", "optimizer step"
+
+
 @dataclass
 class Estimate:
     parts: dict[str, float] = field(default_factory=dict)  # bytes
     tokens: int = 0
     device: str = "cpu"
     capacity: float | None = None  # bytes
+    # phase -> the parts that exist only during it; every other part is held throughout
+    phases: dict[str, list[str]] = field(default_factory=dict)
+
+    def phase_bytes(self) -> dict[str, float]:
+        return {phase: sum(self.parts[name] for name in names)
+                for phase, names in self.phases.items()}
+
+    @property
+    def held(self) -> float:
+        transient = {name for names in self.phases.values() for name in names}
+        return sum(size for name, size in self.parts.items() if name not in transient)
+
+    @property
+    def peak_phase(self) -> str | None:
+        sizes = self.phase_bytes()
+        return max(sizes, key=sizes.get) if sizes else None
 
     @property
     def total(self) -> float:
-        return sum(self.parts.values())
+        """The peak: what is held throughout plus the larger phase."""
+        return self.held + max(self.phase_bytes().values(), default=0.0)
 
     def table(self) -> str:
-        rows = [f"  {name:<46} {size / GIB:8.2f} GiB" for name, size in self.parts.items()]
-        return "\n".join(rows + [f"  {'total':<46} {self.total / GIB:8.2f} GiB"])
+        phase_of = {name: phase for phase, names in self.phases.items() for name in names}
+        rows = []
+        for name, size in self.parts.items():
+            label = name if name not in phase_of else f"{name} [{phase_of[name]}]"
+            rows.append(f"  {label:<62} {size / GIB:8.2f} GiB")
+        sizes = self.phase_bytes()
+        if len(sizes) > 1:
+            rows.append("  peak: held throughout + the " + " > the ".join(
+                f"{phase} ({sizes[phase] / GIB:.2f} GiB)"
+                for phase in sorted(sizes, key=sizes.get, reverse=True)))
+        return "\n".join(rows + [f"  {'total':<62} {self.total / GIB:8.2f} GiB"])
 
 
 # config.json of recipe targets shipped without weights (data/SOURCES.md), for estimates made
@@ -158,9 +195,10 @@ def tokens_per_micro_batch(cfg) -> int:
     return int(cfg.per_device_batch_size) * int(cfg.max_length)
 
 
-@dataclass(frozen=True)
+@dataclass
 class StepSizes:
-    """What every trainer's memory parts are computed from, besides its config and shapes."""
+    """What every trainer's memory parts are computed from, besides its config and shapes
+    (and what :meth:`optimizer` records of the trained module for the optimizer step)."""
 
     tokens: int  # per micro-batch, padding counted
     act: int  # bytes of a saved activation (2 under bf16/fp16 autocast or on a GPU, else 4)
@@ -170,28 +208,73 @@ class StepSizes:
     draft: Shape | None = None  # a separate draft model's shape (distillation from a directory)
     trained_shards: int = 1  # processes the trained module is split over (FSDP2), else 1
     device: str = "cpu"
+    trained_params: int = 0  # recorded by optimizer()
+    largest_trained: int = 0  # the largest trained tensor's elements, recorded by optimizer()
 
-    def optimizer(self, params: int) -> float:
-        """Bytes of ``params`` trained parameters with AdamW (:func:`optimizer_bytes`)."""
+    def optimizer(self, params: int, largest: int | None = None) -> float:
+        """Bytes held throughout for ``params`` trained parameters with AdamW
+        (:func:`optimizer_bytes`); ``largest``: the elements of the largest trained tensor (the
+        one-tensor optimizer step's temporaries on a CPU), default all of them."""
+        self.trained_params += int(params)
+        self.largest_trained = max(self.largest_trained, int(largest or params))
         return optimizer_bytes(params, self.processes, self.trained_shards, self.act)
 
-    def loss_chunk(self, cfg, vocab: int) -> float:
-        """Bytes of one loss chunk over ``vocab`` (:func:`loss_chunk_bytes`)."""
-        return loss_chunk_bytes(cfg, self.tokens, vocab)
+    def loss_chunk(self, cfg, vocab: int, teacher: int | None = None, rows: int | None = None,
+                   columns: bool = False) -> float:
+        """Bytes of one loss chunk (:func:`loss_chunk_bytes`) over ``rows`` (default the
+        micro-batch's tokens)."""
+        return loss_chunk_bytes(cfg, self.tokens if rows is None else rows, vocab, teacher,
+                                columns)
 
 
-def loss_chunk_bytes(cfg, tokens: int, vocab: int) -> float:
-    """One chunk of the large-vocabulary loss (``loss_chunk_size`` x vocabulary, a few copies)."""
-    return LOSS_CHUNK_COPIES * min(cfg.loss_chunk_size, tokens) * vocab * 4
+# float32 (chunk, vocabulary) tensors one chunk of heads/chunked_loss.py holds at once, measured
+# with train.memory_probe.allocation_peak (256 rows, 49152 tokens): against hard labels alone 2
+# (the logits and their softmax, made the gradient in place); against a teacher over the same
+# vocabulary 5 (both log-softmaxes, the teacher's distribution, the product, the gradient); with
+# teacher_columns (EAGLE-3's draft vocabulary) 5 over the draft vocabulary and the teacher's
+# logits over its whole vocabulary once
+HARD_CHUNK_COPIES, SOFT_CHUNK_COPIES = 2, 5
+
+
+def loss_chunk_bytes(cfg, rows: int, vocab: int, teacher: int | None = None,
+                     columns: bool = False) -> float:
+    """One chunk of the large-vocabulary loss: ``loss_chunk_size`` of ``rows`` scored rows over
+    the student's ``vocab`` against hard labels (``teacher`` None) or a teacher's distribution
+    over ``teacher`` tokens (``columns``: restricted to the student's vocabulary)."""
+    chunk = min(cfg.loss_chunk_size, rows) * 4
+    if teacher is None:
+        return HARD_CHUNK_COPIES * chunk * vocab
+    if columns:
+        return chunk * (SOFT_CHUNK_COPIES * vocab + teacher)
+    return SOFT_CHUNK_COPIES * chunk * max(vocab, teacher)
 
 
 def optimizer_bytes(params: int, processes: int, shards: int = 1, compute: int = 4) -> float:
-    """fp32 master weights, gradients, AdamW's two moments, the accumulated gradient and DDP's
-    buckets (with several processes), per trained parameter; split over ``shards`` processes
-    under FSDP2, which gathers the whole weights in the ``compute`` dtype instead of bucketing."""
+    """fp32 master weights and AdamW's two moments, and DDP's gradient buckets (with several
+    processes), per trained parameter; split over ``shards`` processes under FSDP2, which gathers
+    the whole weights in the ``compute`` dtype instead of bucketing. The gradients and the
+    optimizer step's temporaries are the estimate's optimizer-step phase."""
     if shards > 1:
-        return params * (16 + 4) / shards + params * compute
-    return params * (16 + 4 + (4 if processes > 1 else 0))
+        return params * 12 / shards + params * compute
+    return params * (12 + (4 if processes > 1 else 0))
+
+
+def optimizer_step_parts(sizes: StepSizes, accumulated: bool) -> tuple[dict[str, float],
+                                                                        list[str]]:
+    """({name: bytes}, the names that exist only in the optimizer step): the float32 gradients
+    of the trained parameters (held throughout when ``accumulated`` over micro-batches) and
+    AdamW's temporaries: one float32 copy of every parameter in the multi-tensor kernels a GPU
+    runs, up to three of the largest tensor in the one-tensor loop a CPU runs (measured with
+    train.memory_probe beyond the gradients: 2.0 copies of the tiny distillation's 113 MB
+    embedding, 3.0 of the 1-5 MB largest tensors of the tiny EAGLE-3, Medusa and DFlash)."""
+    shards = max(sizes.trained_shards, 1)
+    grads = sizes.trained_params * 4 / shards
+    temporaries = (sizes.trained_params * 4 / shards if sizes.device != "cpu"
+                   else 3 * 4 * sizes.largest_trained)
+    parts = {"gradients (float32)": grads, "optimizer step's temporaries": temporaries}
+    transient = ["optimizer step's temporaries"] + ([] if accumulated
+                                                    else ["gradients (float32)"])
+    return parts, transient
 
 
 @dataclass(frozen=True)
@@ -199,8 +282,10 @@ class MemoryModel:
     """A trainer's share of the estimate, defined beside its recipe (train/<method>.py).
 
     ``parts(cfg, target, sizes) -> {name: bytes}``: what one step adds beyond the process and
-    the frozen target's weights (the trained module with AdamW, its activations, the loss chunk,
-    the target's forward); ``shrink_keys``: the config keys that shrink them, named when a run is
+    the frozen target's weights: the trained module with AdamW's moments (``sizes.optimizer``)
+    and other weights, held throughout, named ``trained ...`` or ``frozen ...``; every other part
+    (activations, the loss chunk, the target's forward) exists in the forward and backward
+    passes only; ``shrink_keys``: the config keys that shrink them, named when a run is
     refused; ``draft_spec(cfg)``: a separate model whose config.json the parts read (None: none).
     """
 
@@ -228,7 +313,13 @@ class MemoryModel:
         name, weights = target_weights(target, int(getattr(cfg, "target_parallel", 1)),
                                        parts_only)
         est.parts[name] = weights * sizes.weight
-        est.parts.update(self.parts(cfg, target, sizes))
+        own = self.parts(cfg, target, sizes)
+        est.parts.update(own)
+        est.phases[FORWARD_BACKWARD] = [k for k in own if not k.startswith(("trained", "frozen"))]
+        step, transient = optimizer_step_parts(
+            sizes, int(getattr(cfg, "gradient_accumulation_steps", 1) or 1) > 1)
+        est.parts.update(step)
+        est.phases[OPTIMIZER_STEP] = transient
         return est
 
     def estimate_run(self, cfg, device: str = "cpu", processes: int = 1,

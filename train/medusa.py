@@ -496,12 +496,23 @@ def memory_parts(cfg, target: Shape, sizes: StepSizes) -> dict[str, float]:
         kept += (layer + target.layers * 2 * h * act) if cfg.gradient_checkpointing \
             else target.layers * layer
         trained += target.layers * cfg.lora_r * 4 * (h + target.intermediate)  # LoRA, roughly
+    own_head = draft_vocab or (0 if cfg.share_lm_head else target.vocab)
+    largest = max(own_head * h, h * h, target.intermediate * cfg.lora_r if cfg.medusa2 else 0)
     parts[f"trained heads ({trained / 1e6:.0f} M parameters, AdamW)"] = \
-        sizes.optimizer(trained)
+        sizes.optimizer(trained, largest)
     parts[f"activations ({k} heads{', adapted target' if cfg.medusa2 else ''})"] = kept * n
     parts["target forward"] = (0 if cfg.medusa2 else sizes.target_forward) + h * act * n
-    parts[f"loss chunk ({min(cfg.loss_chunk_size, n)} x {vocab})"] = \
-        sizes.loss_chunk(cfg, vocab)
+    # one head's loss at a time; Medusa-2's LM loss (data and the target) after them
+    chunk = sizes.loss_chunk(cfg, vocab, teacher=target.vocab if cfg.soft_labels else None,
+                             columns=bool(draft_vocab))
+    if cfg.medusa2:
+        chunk = max(chunk, sizes.loss_chunk(cfg, target.vocab, teacher=target.vocab))
+    parts[f"loss chunk ({min(cfg.loss_chunk_size, n)} x {vocab})"] = chunk
+    # each head's loss holds its own projection's gradient, (vocabulary, h) float32, for backward
+    # (heads/chunked_loss.py), plus its states'
+    own = (1 if cfg.share_lm_head else k) * vocab * h if (draft_vocab or not cfg.share_lm_head) \
+        else 0
+    parts["loss's gradient buffers"] = (own + k * n * h) * 4
     return parts
 
 

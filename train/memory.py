@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from heads.command_line import run_command
+from heads.command_line import program, run_command
 from train.config import parse_config
 from train.estimate import Estimate, Shape
 from train.recipes import TRAINERS, trainer_of
@@ -36,7 +36,7 @@ def estimate_run(trainer: str, cfg, device: str = "cpu", processes: int = 1) -> 
 def main(argv: list[str] | None = None) -> Estimate:
     """``python -m train.memory --config CONFIG [--device cuda] [--processes 8] [--key value]``:
     the estimate a run would be checked against, without loading anything but config.json."""
-    parser = argparse.ArgumentParser(prog="python -m train.memory", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog=program("python -m train.memory"), description=main.__doc__)
     parser.add_argument("--config", required=True)
     parser.add_argument("--trainer", choices=sorted(TRAINERS), default=None)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> Estimate:
                         "configs/accelerate/fsdp2.yaml); the target's shards are the config's "
                         "target_parallel")
     args, rest = parser.parse_known_args(argv)
+    if args.processes < 1:
+        parser.error(f"--processes must be at least 1, got {args.processes}")
     trainer = trainer_of(args.config, args.trainer)
     cfg = parse_config(trainer.config_class, ["--config", args.config, *rest])
     if args.processes % cfg.target_parallel:

@@ -18,7 +18,10 @@ prints one JSON object:
 * ``peak_memory_gb`` (the process) and ``step_memory_gb`` (what the training steps added on top
   of the loaded target, data and module: on CUDA the allocator's peak, on Linux CPUs the resident
   set's high-water mark, reset before the first step), beside ``estimated_peak_gb``, the estimate
-  of :mod:`train.memory` that ``build`` checks against the device's memory.
+  of :mod:`train.memory` that ``build`` checks against the device's memory, and
+  ``estimated_tensors_gb``, the same less its process term (the CUDA context and the
+  allocator's slack, which ``torch.cuda.max_memory_allocated`` does not count);
+  ``python -m train.memory_probe`` compares the tensors term by term.
 
 Every key after the options is a config key (``--max_length 2048``, ``--max_tokens_per_batch
 8192``...); evaluation, checkpoints and W&B are off and the run goes to a temporary directory
@@ -38,12 +41,12 @@ from pathlib import Path
 
 import torch
 
-from heads.command_line import run_command
+from heads.command_line import program, run_command
 from train.config import parse_config
 from train.recipes import TRAINERS, Trainer, trainer_of
 
 
-def _resident_high_water_gb() -> float | None:
+def resident_high_water_gib() -> float | None:
     """VmHWM of this process (Linux), in GiB; None where /proc is not available."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -64,13 +67,13 @@ def _reset_high_water(device: torch.device) -> float | None:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         return None
-    return _resident_high_water_gb()
+    return resident_high_water_gib()
 
 
 def _high_water(device: torch.device) -> float | None:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return _resident_high_water_gb()
+    return resident_high_water_gib()
 
 
 def _sync(device: torch.device) -> None:
@@ -121,8 +124,12 @@ def measure(trainer: Trainer | str, argv: list[str], steps: int, warmup: int) ->
             cfg.heldout_every = 0
         recipe = trainer.build(cfg)
         device = recipe.accelerator.device
-        predicted = trainer.memory.estimate_run(cfg, device.type,
-                                                recipe.accelerator.num_processes).total / 2**30
+        estimate = trainer.memory.estimate_run(cfg, device.type,
+                                               recipe.accelerator.num_processes)
+        predicted = estimate.total / 2**30
+        # the allocator's peak on a GPU counts tensors only: compare it with this
+        predicted_tensors = predicted - sum(
+            v for k, v in estimate.parts.items() if k.startswith("process")) / 2**30
         forward, forward_tokens = target_forward_tokens_per_s(recipe, warmup + steps)
         before = _reset_high_water(device)
         result = recipe.train()
@@ -153,6 +160,7 @@ def measure(trainer: Trainer | str, argv: list[str], steps: int, warmup: int) ->
         "peak_memory_gb": round(peak, 3) if peak is not None else None,
         "step_memory_gb": round(peak - before, 3) if None not in (peak, before) else None,
         "estimated_peak_gb": round(predicted, 3),  # train.memory's, which build() checks
+        "estimated_tensors_gb": round(predicted_tensors, 3),  # the same less the process term
         "loss_last": timed[-1]["loss"],
         "target_forward_tokens": forward_tokens,
         # whether a step runs the target (offline features: the forward is what it would cost)
@@ -192,7 +200,7 @@ def steps_for_budget(step_seconds: Sequence[float], probe_seconds: float, budget
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m train.speed", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=program("python -m train.speed"), description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="a trainer config, configs/<method>/...")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps timed")
     parser.add_argument("--warmup", type=int, default=2, help="optimizer steps run first, untimed")
