@@ -74,7 +74,7 @@ from eval.tree_auto import (
     DEFAULT_CALIBRATION_PROMPTS,
 )
 from eval.tree_cost import CALIBRATION_BUDGET_S
-from heads.command_line import run_command
+from heads.command_line import program, run_command
 from heads.output_dir import named_paths, write_atomic
 from heads.target import dtype_name, load_target, parse_dtype
 from layouts.gguf import DEFAULT_GGUF_TYPE
@@ -137,7 +137,7 @@ def compile_seconds(methods: list[Method]) -> dict[str, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m eval.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog=program("python -m eval.bench"), description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m",
                    help="HF model directory, .gguf file, or embedded name (default smollm2-135m)")

@@ -30,7 +30,7 @@ from eval.runners import BuildContext, EngineMethod, OptionFlag, int_at_least, p
 from eval.sampling import warp
 from eval.tree import DraftTree
 from heads.artifact import DRAFT_INFO_KEY
-from heads.command_line import run_command
+from heads.command_line import program, run_command
 from heads.output_dir import write_atomic
 from heads.target import attention_bias
 from layouts.draft import export_layout
@@ -343,7 +343,7 @@ def propose(directory: str, options: dict) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m eval.draft", description=(
+    parser = argparse.ArgumentParser(prog=program("python -m eval.draft"), description=(
         "Record how a distilled draft drafts by default (the options eval.bench applies to "
         "draft:<dir> where its command line sets none)."))
     sub = parser.add_subparsers(dest="command", required=True)

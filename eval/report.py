@@ -44,6 +44,7 @@ from eval.summary import (
     REPORT_VERSION,
     greedy_summary,
 )
+from heads.command_line import program
 from heads.output_dir import check_file_destination, named_paths, write_atomic
 
 SECTIONS = (
@@ -743,7 +744,7 @@ def log_to_wandb(report: dict, config: dict, project: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m eval.report", description=__doc__,
+    p = argparse.ArgumentParser(prog=program("python -m eval.report"), description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("reports", nargs="+", help="report JSON files written by eval.bench --out")
     p.add_argument("--metrics", nargs="*", default=[],

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from heads.command_line import run_command
+from heads.command_line import program, run_command
 from heads.file_formats import load_safetensors, read_json_object
 from heads.output_dir import check_destination, refuse_inputs, write_dir
 
@@ -213,7 +213,7 @@ def build_parser():
 
     from heads.target import parse_dtype
 
-    parser = argparse.ArgumentParser(prog="python -m heads.artifact",
+    parser = argparse.ArgumentParser(prog=program("python -m heads.artifact"),
                                      description="Operations on draftsmith artifacts.")
     sub = parser.add_subparsers(dest="command", required=True)
     cast = sub.add_parser("cast", help="copy an artifact (or a distilled draft's directory) with "

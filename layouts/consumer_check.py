@@ -1,10 +1,10 @@
 """Check an export with its consumer's own code: speculators, in an isolated virtual environment.
 
-    python -m heads.consumer_check install     # build the pinned venv once (CPU torch, ~1 GB)
+    draftsmith consumer-check install     # build the pinned venv once (CPU torch, ~1 GB)
 
 speculators pins its own transformers, so it runs in a venv of its own under
 ``<draftsmith cache>/consumer-venvs/`` keyed by the pinned versions; a complete venv is reused by
-every later check (``--check`` of ``python -m heads.export``, the slow test). torchvision and
+every later check (``--check`` of ``draftsmith export``, the slow test). torchvision and
 torchaudio, which speculators lists but never imports on the loading path, are left out so pip
 does not swap the CPU torch wheel for a CUDA build.
 
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from heads.command_line import program
 from heads.output_dir import remove_dir, stage_dir
 from heads.target import cache_root
 
@@ -144,9 +145,15 @@ def run_speculators_check(python: str | os.PathLike, export_dir: str | os.PathLi
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m heads.consumer_check install``: build the pinned speculators venv."""
-    if (sys.argv[1:] if argv is None else argv) != ["install"]:
-        print("usage: python -m heads.consumer_check install", file=sys.stderr)
+    """``draftsmith consumer-check install``: build the pinned speculators venv."""
+    argv = sys.argv[1:] if argv is None else argv
+    usage = (f"usage: {program('python -m layouts.consumer_check')} install\n\nbuild the pinned "
+             f"venv of speculators (CPU torch, about 1 GB) that an export's --check loads in")
+    if argv in (["-h"], ["--help"]):
+        print(usage)
+        return 0
+    if argv != ["install"]:
+        print(usage, file=sys.stderr)
         return 2
     print(install_speculators())
     return 0

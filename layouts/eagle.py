@@ -665,7 +665,7 @@ def check_eagle_export(artifact_dir, fmt, out_dir, target) -> bool:
     python = speculators_python()
     if python is None:
         say("not verified", "speculators' own from_pretrained: its venv is not built here "
-             "(python -m heads.consumer_check install, about 1 GB, CPU torch)")
+             "(draftsmith consumer-check install, about 1 GB, CPU torch)")
         return ok
     if target.path is None:
         say("not verified", "speculators load: the target has no local directory to serve as "

@@ -1,14 +1,14 @@
-"""``python -m heads.export``: an artifact into the layouts serving engines load.
+"""``draftsmith export``: an artifact into the layouts serving engines load.
 
-    python -m heads.export <artifact> --format vllm|sglang|speculators --out DIR   # EAGLE-3
-    python -m heads.export <artifact> --format vllm|sglang --out DIR               # EAGLE-1
-    python -m heads.export <artifact> --format trtllm|fasterdecoding|vllm-0.32 --out DIR  # Medusa
-    python -m heads.export <artifact> --format hf --out DIR                        # distilled draft
+    draftsmith export <artifact> --format vllm|sglang|speculators --out DIR   # EAGLE-3
+    draftsmith export <artifact> --format vllm|sglang --out DIR               # EAGLE-1
+    draftsmith export <artifact> --format trtllm|fasterdecoding|vllm-0.32 --out DIR  # Medusa
+    draftsmith export <artifact> --format hf --out DIR                        # distilled draft
     ... [--check] [--overwrite] [--verifier ORG/NAME] [--base-model ORG/NAME] [--target T]
 
 The artifact's ``config.json`` says which method it holds (``heads.methods``); that method's row
 of ``layouts.table.LAYOUTS`` writes and checks its formats. This module alone dispatches over all
-of them (``heads/export.py`` keeps the command's name for users and runs this).
+of them; ``draftsmith export`` (draftsmith/cli.py) runs it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from heads.command_line import USER_ERRORS, run_command
+from heads.command_line import USER_ERRORS, program, run_command
 from heads.methods import artifact_method
 from heads.output_dir import named_paths, refuse_inputs
 from heads.target import Target
@@ -73,7 +73,7 @@ def check_export(artifact_dir: str | os.PathLike, fmt: str, out_dir: str | os.Pa
 def build_parser() -> argparse.ArgumentParser:
     formats = all_formats()
     parser = argparse.ArgumentParser(
-        prog="python -m heads.export",
+        prog=program("python -m layouts.export"),
         description="Export a draftsmith artifact into a serving layout. Formats per method: "
         + "; ".join(f"{m}: {', '.join(f)}" for m, f in formats.items()),
     )
@@ -112,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The command; a user's mistake is one line on stderr and exit status 2. A signal
     (SIGTERM, Ctrl-C, SIGHUP) stops the converter and removes the partial files: exit status 128
     + its number."""
-    prog = "python -m heads.export"
+    prog = "python -m layouts.export"
     with stop_on_signals(prog):
         return run_command(lambda: _run(build_parser().parse_args(argv)), prog)
 

@@ -25,7 +25,7 @@ _PICKLES = ("pytorch_model.bin", "model.pt", "pytorch_model.pt")
 
 @dataclass(frozen=True)
 class ExportOptions:
-    """The options of ``python -m heads.export``; each layout reads the ones it needs."""
+    """The options of ``draftsmith export``; each layout reads the ones it needs."""
 
     verifier: str | None = None  # speculators: the target's hub id
     base_model: str | None = None  # Medusa: the hub id written as base_model_name_or_path

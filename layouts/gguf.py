@@ -1,6 +1,6 @@
 """GGUF for llama.cpp: a head's Hugging Face-style layout, converted by llama.cpp's own converter.
 
-    python -m heads.export ARTIFACT --format gguf --out draft.gguf [--gguf-type f16]
+    draftsmith export ARTIFACT --format gguf --out draft.gguf [--gguf-type f16]
 
 EAGLE-3 heads are written in the vLLM layout first (llama.cpp's converter reads that as it is,
 with ``--target-model-dir``, the target's Hugging Face directory, for its vocabulary and

@@ -701,7 +701,7 @@ def gguf_for_target(spec: str | os.PathLike, outtype: str | None = None) -> tupl
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m layouts.llama_cpp",
+    parser = argparse.ArgumentParser(prog=program("python -m layouts.llama_cpp"),
                                      description="llama.cpp for draftsmith's GGUF layouts")
     sub = parser.add_subparsers(dest="command", required=True)
     make = sub.add_parser("build", help=f"build llama-server {COMMIT} into {install_dir()}")
@@ -727,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from heads.command_line import run_command
+    from heads.command_line import program, run_command
 
     with stop_on_signals("python -m layouts.llama_cpp"):  # a build's cmake/ninja ended too
         sys.exit(run_command(main, "python -m layouts.llama_cpp"))

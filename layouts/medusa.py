@@ -297,7 +297,7 @@ def trtllm_convert_command(export_dir: str | os.PathLike, base_model_dir: str | 
 
 
 def medusa_export_notes(export_dir: str | os.PathLike, fmt: str) -> list[str]:
-    """What a user must know to serve a Medusa export (printed by ``python -m heads.export``)."""
+    """What a user must know to serve a Medusa export (printed by ``draftsmith export``)."""
     directory = Path(export_dir)
     meta = json.loads((directory / "config.json").read_text())
     notes = []

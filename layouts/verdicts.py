@@ -1,6 +1,6 @@
 """How an export check reports: one line per thing verified, failed or not verified here.
 
-``python -m heads.export ... --check`` reads an export back and runs the consumer checks that
+``draftsmith export ... --check`` reads an export back and runs the consumer checks that
 can run on this machine; each layout's check prints its verdicts with :func:`say` and names what
 it could not verify (the consumer needs a GPU build, say) rather than passing it silently.
 """

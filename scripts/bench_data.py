@@ -107,8 +107,8 @@ def write(args) -> None:
 
     from heads.eagle import EagleConfig
     from heads.target import load_target
-    from train.data import load_sft_dataset
     from train.eagle_features import write_feature_cache
+    from train.rows import load_sft_dataset
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     torch.set_num_threads(args.threads)

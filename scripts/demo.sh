@@ -8,14 +8,15 @@
 #
 #   1. data:      tokenise the training rows with the target's chat template and report what was
 #                 used, skipped or truncated (the trainer reads the same cache);
-#   2. training:  accelerate launch train/eagle.py --config configs/eagle/smollm2-135m.yaml
+#   2. training:  draftsmith train configs/eagle/smollm2-135m.yaml (accelerate launch
+#                 train/eagle.py --config ...)
 #                 with the config's recipe, the one the shipped head was trained with (4
 #                 training-time-test steps, a 4096-token draft vocabulary, the decoder layer
 #                 started from the target's layer 27, lr 1e-3, 2048-token batches), shortened to
 #                 DEMO_STEPS optimizer steps; acceptance (tau) measured at the start, every 40
 #                 steps and at the end on 2 Vicuna-bench prompts (held out: never trained on);
-#   3. export:    python -m heads.export ... --format vllm (the layout vLLM and SGLang load);
-#   4. benchmark: python -m eval.bench on 5 MT-bench prompts, 128 tokens each: plain
+#   3. export:    draftsmith export ... --format vllm (the layout vLLM and SGLang load);
+#   4. benchmark: draftsmith bench on 5 MT-bench prompts, 128 tokens each: plain
 #                 transformers generate (hf), its prompt lookup (hf-pld) and assisted generation
 #                 with an untrained truncated draft (hf-assisted), beside the freshly trained head
 #                 and the shipped one (artifacts/smollm2-135m/eagle3), exact greedy decoding
@@ -71,21 +72,20 @@ stage() {  # stage NAME COMMAND...: run it, echo the command, record its duratio
 started=$(date +%s)
 mkdir -p "$OUT"
 
-stage data "$PYTHON" -m train.data inspect --target "$TARGET" --data "$DATA" \
+stage data "$PYTHON" -m draftsmith data inspect --target "$TARGET" --data "$DATA" \
   --max-length "$MAX_LENGTH"
 
-stage training accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no \
-  --dynamo_backend no --num_cpu_threads_per_process "$THREADS" \
-  train/eagle.py --config configs/eagle/smollm2-135m.yaml \
+stage training "$PYTHON" -m draftsmith train configs/eagle/smollm2-135m.yaml \
+  --processes 1 --threads "$THREADS" \
   --output_dir "$RUN" --resume latest --data "$DATA" --max_length "$MAX_LENGTH" \
   --max_steps "$STEPS" --warmup_steps 10 --save_every 40 --log_every 5 --eval_every 40 \
   --eval_num_prompts 2 --eval_max_new_tokens 32 --report_to none
 
-stage export "$PYTHON" -m heads.export "$RUN/artifact" --format vllm --out "$OUT/eagle3-vllm"
+stage export "$PYTHON" -m draftsmith export "$RUN/artifact" --format vllm --out "$OUT/eagle3-vllm"
 
 SHIPPED=()  # the head trained for longer and shipped in artifacts/, beside the fresh one
 [ -d artifacts/smollm2-135m/eagle3 ] && SHIPPED=(--method eagle:artifacts/smollm2-135m/eagle3)
-stage benchmark "$PYTHON" -m eval.bench --target "$TARGET" --threads "$THREADS" \
+stage benchmark "$PYTHON" -m draftsmith bench --target "$TARGET" --threads "$THREADS" \
   --method hf --method hf-pld --method "hf-assisted:$ASSISTED" --method "eagle:$RUN/artifact" \
   "${SHIPPED[@]}" \
   --prompts "$EVAL_PROMPTS" --num-prompts "$PROMPTS_N" --max-new-tokens "$NEW_TOKENS" \

@@ -13,7 +13,7 @@ and the step budgets it gives speculators' EAGLE-3 trainer and ours.
     python scripts/peer_speculators.py summary --kind ours|speculators --metrics FILE
     python scripts/peer_speculators.py meta --dir OUT --out REPORT.meta.json
 
-``rows``: exactly the rows draftsmith's trainer reads for CONFIG and DATA (train.data's
+``rows``: exactly the rows draftsmith's trainer reads for CONFIG and DATA (train.rows's
 tokenisation, chat template and ``max_length`` truncation), as speculators' pre-tokenised format
 (``input_ids``, ``loss_mask``: 1 on the tokens of assistant turns, which both projects mean by
 it).
@@ -106,7 +106,7 @@ def _read_rows(path: str) -> list[dict]:
 def subset(data: str, count: int, out: str) -> None:
     """The first ``count`` usable conversations of ``data`` as a messages JSONL file (for runs
     on part of the data: both trainers then read this file)."""
-    from train.data import read_conversations
+    from train.rows import read_conversations
 
     if count < 1:
         raise ValueError(f"--rows must be at least 1, got {count}")
@@ -122,7 +122,7 @@ def rows(config: str, data: str, out: str) -> None:
     """draftsmith's training rows for CONFIG and DATA, one JSON object per line."""
     from transformers import AutoTokenizer
 
-    from train.data import load_sft_dataset
+    from train.rows import load_sft_dataset
 
     cfg = _config(config, data)
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_target(cfg.target)))

@@ -17,7 +17,7 @@
 # eval.bench flags, e.g. "--draft-dtype bf16").
 #
 # Stages (each prints its time; every time lands in the .meta.json):
-#   1. speculators' venv: built or reused by `python -m heads.consumer_check install` (CPU torch
+#   1. speculators' venv: built or reused by `draftsmith consumer-check install` (CPU torch
 #      2.13.0, speculators 0.9.0 and its requirements from PyPI, without torchvision/torchaudio).
 #   2. speculators' data, counted in its budget: draftsmith's own tokenised rows of --data (its
 #      chat template, loss mask on assistant tokens, max_length of --ours) written as speculators'
@@ -151,8 +151,8 @@ run_until() {
 fail_with_log() { tail -30 "$1" >&2; die "$2 failed (log: $1)"; }
 
 # 1. speculators' venv -------------------------------------------------------------------------
-say "speculators 0.9.0 venv (python -m heads.consumer_check install)"
-SPY="$("$PYTHON" -m heads.consumer_check install 2> "$OUT/venv.log" | tail -1)" \
+say "speculators 0.9.0 venv (draftsmith consumer-check install)"
+SPY="$("$PYTHON" -m draftsmith consumer-check install 2> "$OUT/venv.log" | tail -1)" \
   || fail_with_log "$OUT/venv.log" "building speculators' venv (it needs PyPI)"
 [ -x "$SPY" ] || fail_with_log "$OUT/venv.log" "building speculators' venv"
 SPEC_ENV=(env HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONNOUSERSITE=1)

@@ -153,9 +153,9 @@ def _data_of(base: list[str], config: str) -> str:
 
 def sample_rows(source: str | Path, rows: int, out: Path, seed: int = SAMPLE_SEED) -> dict:
     """Write a seeded sample of ``rows`` of the usable conversations of ``source`` (read by
-    train.data, as the trainers read it) to ``out`` as messages JSONL, in the file's order; the
+    train.rows, as the trainers read it) to ``out`` as messages JSONL, in the file's order; the
     record says what was drawn from what."""
-    from train.data import read_conversations
+    from train.rows import read_conversations
 
     path = Path(source) if Path(source).is_absolute() else REPO / source
     conversations, _ = read_conversations(str(path))

@@ -1,4 +1,4 @@
-"""train.data: every source format, exact assistant loss masks, skip reports, the tokenisation cache
+"""train.rows (what python -m train.data reads): every source format, exact assistant loss masks, skip reports, the tokenisation cache
 (shared by concurrent processes), prompts. Regeneration is tested in tests/test_regenerate.py."""
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ from transformers import AutoTokenizer
 
 from heads.file_formats import FileFormatError
 from heads.target import resolve_target
-from train import data
 from train import regenerate as regeneration
-from train.data import (
+from train import rows as data
+from train.regenerate import load_prompts, user_turns
+from train.rows import (
     RowError,
     collate_causal_lm,
     load_sft_dataset,
     read_conversations,
     tokenize_conversation,
 )
-from train.regenerate import load_prompts, user_turns
 
 # Rows copied from ../shared/data/train (see its SOURCES.md), one list per file.
 CODEGEN = [  # gpteacher_codegen_instruct.json rows 3154, 2449

@@ -34,7 +34,7 @@ from heads.eagle import (
 from heads.eagle_loss import EagleLoss, eagle_loss, target_features
 from heads.target import wrap_target
 from train.accelerator import close_process_group
-from train.data import collate_causal_lm
+from train.rows import collate_causal_lm
 
 VOCAB, DRAFT_VOCAB = 96, 48
 AUX = (1, 2, 3)

@@ -32,13 +32,13 @@ from heads.eagle import EagleConfig, EagleHead, build_draft_vocab, count_tokens
 from heads.eagle_loss import eagle_loss
 from heads.eagle_loss import target_features as online_features
 from heads.target import load_target, load_target_parts, resolve_target
-from train.data import collate_causal_lm
 from train.eagle_features import (
     FeatureCache,
     collate_features,
     row_bytes,
     write_feature_cache,
 )
+from train.rows import collate_causal_lm
 
 REPO = Path(__file__).resolve().parents[1]
 WRITER = REPO / "tests" / "fixtures" / "write_features.py"

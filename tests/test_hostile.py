@@ -316,7 +316,7 @@ def test_13_a_checkpoint_with_nan_weights_is_damaged_and_the_previous_one_offere
 def test_15_a_damaged_tokenisation_cache_is_named_and_rebuilt(toy, tmp_path, capsys, monkeypatch):
     import datasets
 
-    from train.data import load_sft_dataset
+    from train.rows import load_sft_dataset
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"messages": [

@@ -292,7 +292,7 @@ def test_sigterm_to_a_gguf_export_ends_the_converter_and_the_next_export_cleans_
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     out = out_dir / "d.gguf"
-    command = [sys.executable, "-m", "heads.export", str(draft_dir), "--format", "gguf",
+    command = [sys.executable, "-m", "draftsmith", "export", str(draft_dir), "--format", "gguf",
                "--out", str(out), "--gguf-type", "f32"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, env=_env(), cwd=tmp_path)

@@ -33,7 +33,7 @@ def _fixture(name: str):
 toy_method = _fixture("toy_method")
 byte_tokenizer = _fixture("toy_train").byte_tokenizer
 # lowest first: a module imports from its own floor or the ones below, never above
-FLOORS = ("heads", "distill", "layouts", "eval", "train")
+FLOORS = ("heads", "distill", "layouts", "eval", "train", "draftsmith")
 MAX_LINES = 800
 
 
@@ -56,15 +56,12 @@ def _is_main_guard(node: ast.AST) -> bool:
 
 
 def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
-    """The project modules ``path`` imports, wherever the import stands (functions included),
-    except under its ``__main__`` guard: that code belongs to the program ``python -m`` starts,
-    not to the module others import."""
+    """The project modules ``path`` imports, wherever the import stands: at the top, inside
+    functions, and under its ``__main__`` guard (the program ``python -m`` starts is part of
+    the house too: a guard that imports from above is an upward arrow)."""
     tree = ast.parse(path.read_text())
-    guarded = {id(n) for node in ast.walk(tree) if _is_main_guard(node) for n in ast.walk(node)}
     found = set()
     for node in ast.walk(tree):
-        if id(node) in guarded:
-            continue
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -130,14 +127,24 @@ def test_imports_point_down_the_floors_only():
     assert upward == []
 
 
-def test_the_kept_command_names_are_only_their_main_guard():
-    """heads/export.py and heads/consumer_check.py keep the commands' names for users; all they
-    hold is a docstring and the guard that runs the layouts floor's command."""
-    for name in ("export", "consumer_check"):
-        tree = ast.parse((REPO / "heads" / f"{name}.py").read_text())
-        body = [n for n in tree.body if not (isinstance(n, ast.Expr)
-                                             and isinstance(n.value, ast.Constant))]
-        assert len(body) == 1 and _is_main_guard(body[0]), name
+def test_the_reader_counts_guarded_and_function_level_imports(tmp_path):
+    """An import under ``if __name__ == "__main__":`` or inside a function is an arrow."""
+    source = tmp_path / "m.py"
+    source.write_text("def f():\n    from train.loop import run_training\n\n"
+                      "if __name__ == '__main__':\n    import eval.bench\n")
+    assert imports_of(source, {"train.loop": source, "eval.bench": source}) == \
+        {"train.loop", "eval.bench"}
+
+
+def test_train_data_is_only_the_commands_name():
+    """python -m train.data stays for users: train/data.py holds a docstring and the guard that
+    runs the command (train/regenerate.py); nothing imports it."""
+    tree = ast.parse((REPO / "train" / "data.py").read_text())
+    body = [n for n in tree.body if not (isinstance(n, ast.Expr)
+                                         and isinstance(n.value, ast.Constant))]
+    assert len(body) == 1 and _is_main_guard(body[0])
+    assert not any("train.data" in imported for imported in
+                   set().union(*graph().values()))
 
 
 def test_no_source_file_over_800_lines():
@@ -215,7 +222,7 @@ def test_a_new_method_needs_only_a_row_in_each_floors_table(skip_rows, skip_file
     artifact = trained["artifact"]
     assert trained["step"] == 3 and (artifact / "model.safetensors").is_file()
 
-    # layouts: python -m heads.export dispatches to the row's writer and check
+    # layouts: draftsmith export dispatches to the row's writer and check
     out = tmp_path / "export"
     assert export.main([str(artifact), "--format", "skip-safetensors", "--out", str(out),
                         "--check"]) == 0

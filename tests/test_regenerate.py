@@ -22,9 +22,9 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from heads.target import load_target, resolve_target, wrap_target
 from train import regenerate as regeneration
-from train.data import read_conversations
 from train.regenerate import load_prompts, merge_shards, parse_shard, regenerate, shard_path
 from train.regenerate_backends import HFBackend, OpenAIBackend
+from train.rows import read_conversations
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTIONS = ["What is fifteen more than a quarter of 48?", "How are you?",

@@ -22,8 +22,8 @@ from heads.eagle_loss import EagleLoss, target_features
 from heads.medusa import MedusaHeads
 from heads.medusa_loss import MedusaObjective, target_hidden
 from heads.target import wrap_target
-from train.data import collate_causal_lm
 from train.medusa import MedusaTrainConfig, loss_options
+from train.rows import collate_causal_lm
 
 VOCAB = 96
 

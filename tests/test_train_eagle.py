@@ -29,8 +29,8 @@ from heads.target import load_target
 from layouts.eagle import load_eagle_head
 from layouts.export import main as export_main
 from train.config import parse_config
-from train.data import load_sft_dataset
 from train.eagle import EagleTrainConfig, draft_vocabulary, head_config, main
+from train.rows import load_sft_dataset
 from train.signals import GracefulStop
 
 pytestmark = pytest.mark.usefixtures("trainer_env")
@@ -286,7 +286,7 @@ def test_exported_layouts_load_back_and_draft_the_same(files, whole_run, tmp_pat
         exported = tmp_path / fmt
         if fmt == "vllm":  # the command line users run, once
             done = subprocess.run(
-                [sys.executable, "-m", "heads.export", str(result["artifact"]), "--format", fmt,
+                [sys.executable, "-m", "draftsmith", "export", str(result["artifact"]), "--format", fmt,
                  "--out", str(exported)], cwd=REPO, capture_output=True, text=True, timeout=300,
                 env={**os.environ, "OMP_NUM_THREADS": "1"})
             assert done.returncode == 0, done.stderr

@@ -25,7 +25,7 @@ from heads.ttt_attention import (
     sdpa_ttt_attention,
     ttt_block_mask,
 )
-from train.data import pack_rows
+from train.rows import pack_rows
 
 
 def random_inputs(n, *, steps=3, batch=2, heads=4, kv_heads=2, dim=16, dtype=torch.float64,

@@ -16,8 +16,8 @@ position weights, known before the anchors are drawn.
 
 Logged: ``loss``, ``acc_<k>`` (top-1 of the k-th predicted slot), ``conf_loss`` (DSpark),
 ``eval/tau`` and ``eval/alpha`` every ``eval_every`` steps from the engine decoding held-out
-prompts with the draft. At the end ``<output_dir>/artifact`` holds the draft (``python -m
-heads.export ARTIFACT --format vllm|sglang|speculators|gguf``; ``python -m eval.bench --method
+prompts with the draft. At the end ``<output_dir>/artifact`` holds the draft (``draftsmith
+export ARTIFACT --format vllm|sglang|speculators|gguf``; ``python -m eval.bench --method
 dflash:<artifact>``).
 """
 
@@ -49,10 +49,10 @@ from heads.dflash_loss import (
 from heads.target import Target
 from train.batches import make_batches, row_sizes
 from train.config import TrainConfig, option, parse_config
-from train.data import load_sft_dataset
 from train.eagle_features import FeatureSpec, feature_rows, load_feature_target
 from train.estimate import LAYER_FACTOR, MemoryModel, Shape, StepSizes
 from train.loop import Recipe, StepOutput, TrainResult, start_run, write_run_artifact
+from train.rows import load_sft_dataset
 from train.tracking import AcceptanceEval
 
 

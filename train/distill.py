@@ -91,10 +91,10 @@ from train.accelerator import close_process_group
 from train.batches import make_batches, scored_tokens, split_heldout
 from train.checkpoints import TrainState
 from train.config import LoraKeys, TrainConfig, option, parse_config
-from train.data import collate_causal_lm, load_sft_dataset, read_conversations
 from train.estimate import LAYER_FACTOR, MemoryModel, Shape, StepSizes
 from train.loop import Recipe, StepOutput, TrainResult, start_run
 from train.on_policy import draft_sampled_batch, is_on_policy, seed_from
+from train.rows import collate_causal_lm, load_sft_dataset, read_conversations
 from train.sharding import FSDP2, load_run_target, sharding_plan, whole_module
 from train.tracking import AcceptanceEval, PeriodicEval, share_batches
 
@@ -268,7 +268,7 @@ def load_distill_rows(sources: Sequence[str], target: Target, max_length: int,
     Each row holds ``prompt_ids`` (the conversation up to its first assistant turn, with the
     target's chat template and generation prompt, as decoding will see it) and ``answered``; an
     answered row also holds the whole conversation's ``input_ids`` and ``loss_mask`` (from
-    :func:`train.data.load_sft_dataset`), a prompt-only row its prompt as ``input_ids`` and an
+    :func:`train.rows.load_sft_dataset`), a prompt-only row its prompt as ``input_ids`` and an
     all-zero ``loss_mask``. Prompt-only rows are dropped when ``keep_prompt_only`` is False, and
     rows whose prompt leaves no room for a continuation within ``max_length`` always are.
     """
@@ -351,7 +351,7 @@ def load_distill_rows(sources: Sequence[str], target: Target, max_length: int,
 
 
 def collate_distill(rows: Sequence[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """:func:`train.data.collate_causal_lm`'s batch plus the rows' prompts.
+    """:func:`train.rows.collate_causal_lm`'s batch plus the rows' prompts.
 
     Adds ``prompt_ids`` (batch, longest prompt) right-padded, ``prompt_length`` (batch,) and
     ``answered`` (batch,) bool.

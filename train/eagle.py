@@ -32,7 +32,7 @@ heads/ttt_attention.py). A target too large for one GPU is sharded over ``target
 processes and the head may be trained under FSDP2 (``accelerate launch --config_file
 configs/accelerate/fsdp2.yaml``; train/sharding.py).
 
-Training data is what ``train.data.load_sft_dataset`` reads. EAGLE recommends answers the target
+Training data is what ``train.rows.load_sft_dataset`` reads. EAGLE recommends answers the target
 wrote itself; write them first with ``python -m train.data regenerate`` (see the configs). The
 draft vocabulary (``d2t``/``t2d``) is computed from the data's assistant tokens the same way on
 every process, saved with the head in every checkpoint and checked again on resume.
@@ -45,7 +45,7 @@ draft vocabulary's coverage of the assistant tokens; every ``eval_every`` steps 
 ``eval/alpha`` measured by the speculative engine with the head's EAGLE-2 tree on held-out prompts
 (``eval_prompts``, MT-bench by default, never trained on).
 
-At the end ``<output_dir>/artifact`` holds the head (``python -m heads.export`` turns it into the
+At the end ``<output_dir>/artifact`` holds the head (``draftsmith export`` turns it into the
 vLLM, SGLang and speculators layouts; ``python -m eval.bench --method eagle:<artifact>``
 measures it).
 """
@@ -78,10 +78,10 @@ from heads.target import Target
 from heads.ttt_attention import resolve_backend
 from train.batches import make_batches, row_sizes
 from train.config import TrainConfig, option, parse_config
-from train.data import load_sft_dataset
 from train.eagle_features import feature_rows, load_feature_target, target_layer_weights
 from train.estimate import EAGLE_FACTOR, EAGLE_STEP_OVERHEAD, MemoryModel, Shape, StepSizes
 from train.loop import Recipe, StepOutput, TrainResult, start_run, write_run_artifact
+from train.rows import load_sft_dataset
 from train.tracking import AcceptanceEval
 
 

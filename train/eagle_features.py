@@ -73,7 +73,7 @@ from heads.eagle import EagleConfig
 from heads.eagle_loss import target_features
 from heads.target import Target, dtype_name
 from heads.target_shards import is_sharded
-from train.data import collate_causal_lm, pack_rows
+from train.rows import collate_causal_lm, pack_rows
 
 FORMAT = "draftsmith-feature-cache"
 CACHE_VERSION = 3
@@ -147,7 +147,7 @@ def _plan(dataset, config: EagleConfig | FeatureSpec, dtype: torch.dtype, max_fi
         if ids.ndim != 1 or ids.shape != mask.shape or len(ids) < 1:
             raise ValueError(f"row {len(lengths)} of the dataset has input_ids of shape "
                              f"{tuple(ids.shape)} and loss_mask {tuple(mask.shape)}; expected "
-                             f"two equal non-empty 1-D sequences (train.data.load_sft_dataset)")
+                             f"two equal non-empty 1-D sequences (train.rows.load_sft_dataset)")
         digest.update(struct.pack("<q", len(ids)))
         digest.update(ids.numpy().tobytes())
         digest.update(mask.numpy().tobytes())
@@ -548,7 +548,7 @@ def collate_features(rows: Sequence[Mapping], pad_token_id: int,
 
     input_ids, attention_mask, loss_mask, labels as ``collate_causal_lm``; features (B, S, F) and
     last_hidden (B, S, h) zero-padded (EAGLE-1: last_hidden is features). ``packed``: the rows
-    end to end in one row with their position_ids (:func:`train.data.pack_rows`).
+    end to end in one row with their position_ids (:func:`train.rows.pack_rows`).
     """
     if packed:
         batch = pack_rows(rows, keys=[k for k in ("features", "last_hidden") if k in rows[0]])

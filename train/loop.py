@@ -151,7 +151,7 @@ def write_run_artifact(cfg, accelerator: Accelerator, result: TrainResult, *, me
         state_dict = {name.removeprefix(f"{module}."): tensor for name, tensor in weights.items()}
         artifact = save_artifact(Path(cfg.output_dir) / "artifact", method, config, state_dict,
                                  target.identity(), overwrite=cfg.overwrite)
-        export_command = shell_command("python", "-m", "heads.export", artifact, "--format",
+        export_command = shell_command("draftsmith", "export", artifact, "--format",
                                        "vllm", "--out", Path(cfg.output_dir) / "vllm")
         measure = shell_command("python", "-m", "eval.bench", "--target", cfg.target, "--method",
                                 "hf", "--method", f"{bench_prefix}:{artifact}", "--prompts",

@@ -58,7 +58,7 @@ At the end the heads' per-rank accuracies on the held-out rows give the static t
 cost on this machine, see ``eval.tree_auto.size_medusa_tree``; or a fixed node count), saved in
 ``<output_dir>/artifact`` with the heads; ``final/expected_tau`` and (with ``eval_every`` > 0)
 ``final/tau`` measured with that tree are logged. ``python -m eval.bench --method
-medusa:<artifact>`` measures it; ``python -m heads.export`` writes the vLLM / TensorRT-LLM layouts.
+medusa:<artifact>`` measures it; ``draftsmith export`` writes the vLLM / TensorRT-LLM layouts.
 """
 
 from __future__ import annotations
@@ -106,10 +106,10 @@ from train.accelerator import close_process_group
 from train.batches import make_batches, row_sizes, split_heldout
 from train.checkpoints import TrainState
 from train.config import LoraKeys, TrainConfig, option, parse_config
-from train.data import collate_causal_lm, load_sft_dataset
 from train.estimate import LAYER_FACTOR, MemoryModel, Shape, StepSizes
 from train.loop import Recipe, StepOutput, TrainResult, start_run
 from train.regenerate import merge_shards, regenerate
+from train.rows import collate_causal_lm, load_sft_dataset
 from train.sharding import load_run_target, sharding_plan, whole_module
 from train.tracking import AcceptanceEval, PeriodicEval, share_batches
 
@@ -652,7 +652,7 @@ def export(cfg: MedusaTrainConfig, accelerator, target: Target, heldout: HeldOut
         if accelerator.is_main_process:
             bench_target = artifact / "target" if cfg.medusa2 else cfg.target
             fmt = "vllm-0.32" if cfg.draft_vocab_size is not None else "trtllm"
-            export_command = shell_command("python", "-m", "heads.export", artifact, "--format",
+            export_command = shell_command("draftsmith", "export", artifact, "--format",
                                            fmt, "--out", Path(cfg.output_dir) / fmt)
             measure = shell_command("python", "-m", "eval.bench", "--target", bench_target,
                                     "--method", "plain", "--method", f"medusa:{artifact}",

@@ -3,7 +3,7 @@
 :func:`regenerate` lets the target answer every user turn of the prompts itself, through
 ``transformers`` in this process (``--backend hf``) or any OpenAI-compatible server
 (``--backend openai``), sharded over processes and resumable, and writes the conversations as
-JSONL (``messages`` format) that :func:`train.data.load_sft_dataset` reads
+JSONL (``messages`` format) that :func:`train.rows.load_sft_dataset` reads
 back. ``python -m train.data`` is this module's command line::
 
     python -m train.data regenerate --target smollm2-135m --data a.json b.jsonl \\
@@ -34,16 +34,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from heads.command_line import run_command
+from heads.command_line import program, run_command
 from heads.output_dir import named_paths, refuse_inputs
 from heads.target import Target
-from train.data import (
-    DataReport,
-    default_cache_dir,
-    examples,
-    load_sft_dataset,
-    read_conversations,
-)
 from train.regenerate_backends import (
     Answer,
     BadAnswer,
@@ -60,6 +53,13 @@ from train.regenerate_files import (
     refuse_directory,
     shard_path,
     write_done,
+)
+from train.rows import (
+    DataReport,
+    default_cache_dir,
+    examples,
+    load_sft_dataset,
+    read_conversations,
 )
 
 _done_path = done_path  # (the name tests and older callers use; merge_shards and shard_path are
@@ -459,7 +459,7 @@ def _launcher_shard() -> tuple[int, int]:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m train.data regenerate|inspect|merge``; a user's mistake (a ValueError or
     FileNotFoundError) is one line on stderr and exit status 2."""
-    parser = argparse.ArgumentParser(prog="python -m train.data",
+    parser = argparse.ArgumentParser(prog=program("python -m train.data"),
                                      description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     regen_parser = commands.add_parser(

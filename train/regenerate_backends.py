@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from heads.target import Target
-from train.data import (
+from train.rows import (
     RowError,
     tokenize_conversation,
 )
