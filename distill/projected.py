@@ -57,8 +57,9 @@ def plain_weight(head: nn.Module) -> bool:
 
 def _chunk(draft_states, draft_weight, kept, vocab, target_states, target_head_weight, start,
            stop, dtype, temperature):
-    """Both (c, vocab) log-softmaxes of rows start:stop, and the draft's raw logits' argmax."""
-    rows = draft_states[start:stop].to(dtype) @ draft_weight.to(dtype).T  # (c, K)
+    """Both (c, vocab) log-softmaxes of rows start:stop, and the draft's raw logits' argmax.
+    ``draft_weight`` is already in the dtype the products run in; the logits go to ``dtype``."""
+    rows = (draft_states[start:stop].to(draft_weight.dtype) @ draft_weight.T).to(dtype)  # (c, K)
     if kept is not None:
         draft = rows.new_full((rows.shape[0], vocab), float("-inf"))
         draft.index_copy_(1, kept, rows)
@@ -75,14 +76,30 @@ def _chunk(draft_states, draft_weight, kept, vocab, target_states, target_head_w
 
 def _run(kernel, draft_states, draft_weight, kept, vocab, target_states, target_weight,
          temperature, chunk_size, with_tvd, grads, grad_scale):
-    """Loss sum, agreement, TVD sum; fills ``grads`` = (states grad, weight grad) when given."""
+    """Loss sum, agreement, TVD sum; fills ``grads`` = (states grad, weight grad) when given.
+
+    Under autocast the matrix products run in autocast's dtype, as the draft's LM head would
+    (the weight cast once); everything else (softmaxes, the loss, its gradient) runs outside
+    autocast in float32 or wider."""
+    device = draft_states.device
+    with torch.autocast(device.type, enabled=False):
+        mm = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
+              else torch.promote_types(draft_weight.dtype, torch.float32))
+        return _run_outside_autocast(kernel, draft_states, draft_weight, kept, vocab,
+                                     target_states, target_weight, temperature, chunk_size,
+                                     with_tvd, grads, grad_scale, mm)
+
+
+def _run_outside_autocast(kernel, draft_states, draft_weight, kept, vocab, target_states,
+                          target_weight, temperature, chunk_size, with_tvd, grads, grad_scale,
+                          mm):
     dtype = torch.promote_types(draft_weight.dtype, torch.float32)
     n = draft_states.shape[0]
     device = draft_states.device
     total = torch.zeros((), dtype=torch.float64, device=device)
     agree = torch.zeros((), dtype=torch.float64, device=device)
     rejected = torch.zeros((), dtype=torch.float64, device=device) if with_tvd else None
-    weight = draft_weight.to(dtype)
+    weight = draft_weight.to(mm)
     step = max(chunk_size or n, 1)
     for start in range(0, n, step):
         stop = min(start + step, n)
@@ -100,9 +117,10 @@ def _run(kernel, draft_states, draft_weight, kept, vocab, target_states, target_
         grad.mul_(grad_scale / temperature)  # d loss / d draft logits, (c, vocab)
         if kept is not None:
             grad = grad.index_select(1, kept)  # the other columns are constants (-inf)
+        grad = grad.to(mm)
         grads[0][start:stop] = (grad @ weight).to(grads[0].dtype)
         if grads[1] is not None:
-            grads[1].addmm_(grad.T, draft_states[start:stop].to(dtype))
+            grads[1].add_(grad.T @ draft_states[start:stop].to(mm))
     return total, agree, rejected
 
 

@@ -106,6 +106,38 @@ def test_projected_divergence_equals_the_divergence_of_the_whole_logits(name, ke
                                                  reduction="sum").double())
 
 
+@pytest.mark.parametrize("kept", [False, True])
+def test_projected_divergence_under_bf16_autocast_matches_the_logits_path(kept):
+    """A bf16 run (the trainer's autocast): the draft's products run in bf16 as its LM head
+    would, the rest in float32; value and gradients agree with the whole logits computed the
+    same way (bf16 LM head, float32 divergence), and the weight's gradient stays float32."""
+    vocab, hidden, n = 64, 16, 13
+    ids = torch.tensor([0, 2, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37]) if kept else None
+    draft_head, target_head = _heads(vocab, hidden, ids)
+    draft_head.float()
+    target_head.float()
+    torch.manual_seed(2)
+    states = torch.randn(n, hidden, requires_grad=True)
+    teacher = torch.randn(n, hidden)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = projected_divergence("forward_kl" if not kept else "reverse_kl", states,
+                                   draft_head, teacher, target_head, chunk_size=5)
+    got.loss.backward()
+    grads = (states.grad.clone(), draft_head.weight.grad.clone())
+    assert got.loss.dtype == torch.float32 and grads[1].dtype == torch.float32
+    states.grad, draft_head.weight.grad = None, None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = draft_head(states).float()
+    with torch.no_grad():
+        target_logits = target_head(teacher)
+    expected = divergence("forward_kl" if not kept else "reverse_kl", logits, target_logits,
+                          torch.ones(n), chunk_size=None)
+    expected.backward()
+    torch.testing.assert_close(got.loss, expected, rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(grads[0], states.grad, rtol=5e-2, atol=2e-3)
+    torch.testing.assert_close(grads[1], draft_head.weight.grad, rtol=5e-2, atol=2e-3)
+
+
 def test_a_wrong_gradient_would_be_caught():
     """The comparison above can fail: scoring the draft at another temperature than the
     reference moves the value and the gradients."""
