@@ -11,7 +11,7 @@ BENCH_DRAFT ?= truncate:8
 SHIPPED_EAGLE := artifacts/smollm2-135m/eagle3
 SHIPPED_MEDUSA := artifacts/smollm2-135m/medusa
 SHIPPED_DFLASH := artifacts/smollm2-135m/dflash
-# the distilled draft drafts as its directory records (3 guesses at one depth; eval.draft propose)
+# the distilled draft drafts as its directory records (3 guesses at one depth; draftsmith.eval.draft propose)
 SHIPPED_DRAFT := artifacts/smollm2-135m/draft
 SHIPPED_TREE ?= --tree auto --draft-dtype bf16
 STAMP := .install.stamp
@@ -34,7 +34,7 @@ test-slow: install
 	$(PYTHON) -m pytest -q -m slow
 
 bench: install
-	$(PYTHON) -m eval.bench --target smollm2-135m --threads $(THREADS) \
+	$(PYTHON) -m draftsmith.eval.bench --target smollm2-135m --threads $(THREADS) \
 	  --method hf --method plain --method pld --method hf-pld \
 	  --method draft:$(BENCH_DRAFT) --method hf-assisted:$(BENCH_DRAFT) \
 	  --method eagle:$(SHIPPED_EAGLE) --method medusa:$(SHIPPED_MEDUSA) \
@@ -45,20 +45,20 @@ bench: install
 # llama.cpp (llama-server and its converter), built once from the pinned source the PyPI sdist of
 # llama-cpp-python vendors, into ~/.cache/draftsmith/llama.cpp/<commit>/ (it says how long it took)
 llama-cpp: install
-	$(PYTHON) -m layouts.llama_cpp build
+	$(PYTHON) -m draftsmith.layouts.llama_cpp build
 
 # the shipped heads served by llama.cpp itself, beside its plain decoding and its n-gram lookups
 # (drafting stops below probability 0.6; scripts/cpu_results.sh llama-cross-check compares
 # acceptance with our engine's)
 bench-llama: install llama-cpp
-	$(PYTHON) -m eval.bench --engine llama.cpp --target smollm2-135m --threads $(THREADS) \
+	$(PYTHON) -m draftsmith.eval.bench --engine llama.cpp --target smollm2-135m --threads $(THREADS) \
 	  --method plain --method ngram:ngram-simple --method ngram:ngram-mod \
 	  --method eagle:$(SHIPPED_EAGLE) --method dflash:$(SHIPPED_DFLASH) --llama-draft-p-min 0.6 \
 	  --prompts $(BENCH_PROMPTS) --num-prompts $(BENCH_N) --max-new-tokens 128 \
 	  --temperature 0 --out reports/bench_llama.json --html reports/bench_llama.html
 
 # the main job on the embedded target: data -> accelerate launch train/eagle.py (~12 min on 2
-# cores) -> export -> eval.bench against hf, hf-pld and hf-assisted; see scripts/demo.sh
+# cores) -> export -> draftsmith.eval.bench against hf, hf-pld and hf-assisted; see scripts/demo.sh
 demo: install
 	PYTHON=$(PYTHON) THREADS=$(THREADS) scripts/demo.sh runs/demo
 

@@ -6,9 +6,10 @@
                | consumer-check | artifact | draft  [that command's own arguments]
 
 ``train`` launches the trainer the config belongs to (its folder under ``configs/``, or
-``--trainer``) through accelerate, as ``accelerate launch train/<name>.py --config CONFIG`` does;
+``--trainer``) through accelerate (``accelerate launch -m draftsmith.train.<name> --config CONFIG``, what
+``accelerate launch train/<name>.py`` does in a checkout);
 ``key=value`` words become ``--key value``. Every other command is the ``python -m`` entry point
-it names (``draftsmith bench`` is ``python -m eval.bench``), run in this process with the same
+it names (``draftsmith bench`` is ``python -m draftsmith.eval.bench``), run in this process with the same
 arguments, exit statuses and error lines, under the name the user typed.
 
 Exit statuses: 0 done, 1 a command that ran and failed (its message says why), 2 a usage error
@@ -29,7 +30,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from heads.command_line import USER_ERRORS, invoked_as
+from draftsmith.files.command_line import USER_ERRORS, invoked_as
 
 PROG = "draftsmith"
 
@@ -44,31 +45,31 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "data": Command("train.data", "python -m train.data",
+    "data": Command("draftsmith.train.data", "python -m draftsmith.train.data",
                     "tokenise and inspect training data; regenerate answers with the target; "
                     "merge shards"),
-    "export": Command("layouts.export", "python -m layouts.export",
+    "export": Command("draftsmith.layouts.export", "python -m draftsmith.layouts.export",
                       "write a trained artifact in a serving layout (vLLM, SGLang, TensorRT-LLM, "
                       "speculators, GGUF for llama.cpp)"),
-    "bench": Command("eval.bench", "python -m eval.bench",
+    "bench": Command("draftsmith.eval.bench", "python -m draftsmith.eval.bench",
                      "measure drafts' acceptance and speed beside plain decoding, exactly"),
-    "report": Command("eval.report", "python -m eval.report",
+    "report": Command("draftsmith.eval.report", "python -m draftsmith.eval.report",
                       "a benchmark report as one HTML page, and in W&B"),
-    "memory": Command("train.memory", "python -m train.memory",
+    "memory": Command("draftsmith.train.memory", "python -m draftsmith.train.memory",
                       "a training run's memory per GPU, from config.json alone"),
-    "speed": Command("train.speed", "python -m train.speed",
+    "speed": Command("draftsmith.train.speed", "python -m draftsmith.train.speed",
                      "a few training steps timed: tokens/s, the target's share, the peak memory"),
-    "memory-probe": Command("train.memory_probe", "python -m train.memory_probe",
+    "memory-probe": Command("draftsmith.train.memory_probe", "python -m draftsmith.train.memory_probe",
                             "the memory plan beside the allocator's peak for a config's steps"),
-    "llama-cpp": Command("layouts.llama_cpp", "python -m layouts.llama_cpp",
+    "llama-cpp": Command("draftsmith.layouts.llama_cpp", "python -m draftsmith.layouts.llama_cpp",
                          "find or build llama.cpp's server, convert targets to GGUF"),
-    "consumer-check": Command("layouts.consumer_check", "python -m layouts.consumer_check",
+    "consumer-check": Command("draftsmith.layouts.consumer_check", "python -m draftsmith.layouts.consumer_check",
                               "build the pinned venv of the serving libraries an export's "
                               "--check loads it in"),
-    "artifact": Command("heads.artifact", "python -m heads.artifact",
+    "artifact": Command("draftsmith.heads.artifact", "python -m draftsmith.heads.artifact",
                         "artifact operations: cast an artifact's weights to another precision"),
-    "draft": Command("eval.draft", "python -m eval.draft",
-                     "record how a distilled draft drafts by default (eval.bench's draft:<dir>)"),
+    "draft": Command("draftsmith.eval.draft", "python -m draftsmith.eval.draft",
+                     "record how a distilled draft drafts by default (draftsmith.eval.bench's draft:<dir>)"),
 }
 
 
@@ -93,7 +94,7 @@ def _train_parser() -> argparse.ArgumentParser:
             "to train/<trainer>.py (eagle, medusa, dflash, distill). Every further word goes to "
             "the trainer: key=value or --key value overrides a config key."),
         epilog=f"example: {PROG} train configs/eagle/smollm2-135m.yaml max_steps=80 "
-               "output_dir=runs/try\nthe keys of a trainer: python train/<trainer>.py --help",
+               "output_dir=runs/try\nthe keys of a trainer: python -m draftsmith.train.<trainer> --help",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="a trainer's YAML config")
     parser.add_argument("--processes", type=int, default=None,
@@ -129,18 +130,17 @@ def overrides(words: list[str]) -> list[str]:
     return out
 
 
-def trainer_script(name: str) -> Path:
-    """The file ``accelerate launch`` runs for trainer ``name`` (train/<name>.py)."""
-    spec = importlib.util.find_spec(f"train.{name}")
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(f"train/{name}.py is missing from this installation; "
-                                f"reinstall draftsmith")
-    return Path(spec.origin)
+def trainer_module(name: str) -> str:
+    """The module ``accelerate launch -m`` runs for trainer ``name`` (train/<name>.py)."""
+    module = f"draftsmith.train.{name}"
+    if importlib.util.find_spec(module) is None:
+        raise FileNotFoundError(f"{module} is missing from this installation; reinstall draftsmith")
+    return module
 
 
 def launch_command(args: argparse.Namespace, rest: list[str]) -> list[str]:
     """The ``accelerate launch`` command line for ``draftsmith train``."""
-    from train.recipes import trainer_of
+    from draftsmith.train.recipes import trainer_of
 
     config = Path(args.config)
     if not config.is_file():
@@ -168,7 +168,7 @@ def launch_command(args: argparse.Namespace, rest: list[str]) -> list[str]:
         launch += ["--machine_rank", str(args.machine_rank)]
     if args.main_process_ip is not None:
         launch += ["--main_process_ip", args.main_process_ip]
-    return [*launch, str(trainer_script(trainer.name)), "--config", str(config),
+    return [*launch, "--module", trainer_module(trainer.name), "--config", str(config),
             *overrides(rest)]
 
 
@@ -183,10 +183,19 @@ def train(argv: list[str]) -> int:
     if args.dry_run:
         return 0
     child = subprocess.Popen(command)
+    # a SIGTERM or SIGHUP sent to this command goes to the launcher, as if it had been sent to
+    # `accelerate launch` itself: the trainers follow their launcher, save and stop
+    forwarded = (signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, lambda signum, frame: child.send_signal(signum))
+                for s in forwarded}
     try:
-        return _status(child.wait())
-    except KeyboardInterrupt:  # the terminal sent SIGINT to the trainer too: it saves and stops
-        return _status(child.wait())
+        try:
+            return _status(child.wait())
+        except KeyboardInterrupt:  # the terminal sent SIGINT to the trainer too: it saves, stops
+            return _status(child.wait())
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _status(code: int) -> int:

@@ -14,9 +14,9 @@ from itertools import zip_longest
 
 import torch
 
-from eval.host import to_host
-from eval.sampling import SamplingParams, warp
-from eval.tree import DraftTree
+from draftsmith.eval.host import to_host
+from draftsmith.eval.sampling import SamplingParams, warp
+from draftsmith.eval.tree import DraftTree
 
 
 def residual(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ through the model's own transformers modules with the attention implementation s
 changes what is computed:
 
 * it reads only as many cached entries as the mask is long: the engine's caches hand back their
-  whole preallocated buffers (:mod:`eval.kv`), so a compiled forward sees the same buffers every
+  whole preallocated buffers (:mod:`draftsmith.eval.kv`), so a compiled forward sees the same buffers every
   round and the mask alone says how much of them is real;
 * grouped-query attention with a mask (a token tree, several queries) keeps the keys and values
   as they are: the queries of the heads sharing one key/value head are stacked along the query
@@ -17,7 +17,7 @@ changes what is computed:
   row.
 
 The mask is the engine's 4-D additive float mask (0 where a query may attend, the dtype's minimum
-elsewhere; ``heads.target.tree_attention_mask``), with the positions passed as ``position_ids``.
+elsewhere; :func:`tree_attention_mask`), with the positions passed as ``position_ids``.
 Features the function does not implement (soft-capping, attention sinks, position biases, a
 sliding window) are refused by name rather than computed otherwise.
 """
@@ -29,6 +29,8 @@ import weakref
 
 import torch
 from transformers import AttentionInterface
+
+from draftsmith.targets.target import attention_bias
 
 ENGINE_ATTENTION = "draftsmith"
 _REFUSED = ("softcap", "s_aux", "sinks", "position_bias", "sliding_window")
@@ -93,3 +95,17 @@ def engine_attention(model: torch.nn.Module):
     finally:
         for config, name in zip(configs, saved, strict=True):
             config._attn_implementation = name
+
+
+def tree_attention_mask(allowed: torch.Tensor, past: int, dtype: torch.dtype,
+                        device: torch.device | str | None = None) -> torch.Tensor:
+    """The 4-D additive mask for a forward over tree nodes on top of ``past`` cached positions.
+
+    allowed (q, k) bool: [i, j] True when new position i may attend to new position j (itself
+    and its tree ancestors). Every new position sees the whole cached prefix. Returns
+    (1, 1, q, past + k) in ``dtype`` (:func:`attention_bias`), the form transformers' attention
+    takes together with per-node ``position_ids``.
+    """
+    seen = torch.ones(allowed.shape[0], past + allowed.shape[1], dtype=torch.bool, device=device)
+    seen[:, past:] = allowed.to(seen.device)
+    return attention_bias(seen, dtype)[None, None]

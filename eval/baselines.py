@@ -16,8 +16,8 @@ own plain decoding: ``serve_plain``); transformers' methods are peers with their
 
 from __future__ import annotations
 
-from eval.proposers import NgramProposer
-from eval.runners import (
+from draftsmith.eval.proposers import NgramProposer
+from draftsmith.eval.runners import (
     BuildContext,
     EngineMethod,
     HFMethod,
@@ -72,7 +72,7 @@ def build_hf_pld(arg: str, name: str, ctx: BuildContext) -> HFMethod:
 
 
 def build_hf_assisted(arg: str, name: str, ctx: BuildContext) -> HFMethod:
-    from distill.draft import DraftVocabHead
+    from draftsmith.heads.distill import DraftVocabHead
 
     draft = ctx.draft(arg)
     if isinstance(draft.get_output_embeddings(), DraftVocabHead):

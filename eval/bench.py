@@ -1,6 +1,6 @@
 """Benchmark: every method on the same target and prompts, in one process, interleaved.
 
-    python -m eval.bench --target smollm2-135m --method hf --method plain --method pld \\
+    python -m draftsmith.eval.bench --target smollm2-135m --method hf --method plain --method pld \\
         --method hf-pld --method draft:truncate:8 --method hf-assisted:truncate:8 \\
         --prompts data/eval/mt_bench_question.jsonl --num-prompts 20 \\
         --max-new-tokens 128 --temperature 0 --out report.json --html report.html
@@ -34,11 +34,11 @@ from pathlib import Path
 
 import torch
 
-from eval.engine import check_prompt
-from eval.forward import COMPILE_MODES
-from eval.llama_bench import ENGINE as LLAMA_ENGINE
-from eval.llama_bench import EngineRun, check_work_dir, cross_check, llama_engine
-from eval.methods import (
+from draftsmith.eval.engine import check_prompt
+from draftsmith.eval.forward import COMPILE_MODES
+from draftsmith.eval.llama_bench import ENGINE as LLAMA_ENGINE
+from draftsmith.eval.llama_bench import EngineRun, check_work_dir, cross_check, llama_engine
+from draftsmith.eval.methods import (
     build_methods,
     dest,
     method_for,
@@ -47,10 +47,10 @@ from eval.methods import (
     owners,
     resolve,
 )
-from eval.prompts import load_prompts
-from eval.report import build_report, check_report_out, log_to_wandb, render_html
-from eval.round_cost import cost_model_records
-from eval.runners import (
+from draftsmith.eval.prompts import load_prompts
+from draftsmith.eval.report import build_report, check_report_out, log_to_wandb, render_html
+from draftsmith.eval.round_cost import cost_model_records
+from draftsmith.eval.runners import (
     TREE_AUTO,
     TREE_MODES,
     Method,
@@ -58,8 +58,8 @@ from eval.runners import (
     parse_finite,
     run_benchmark,
 )
-from eval.sampling import SamplingParams
-from eval.summary import (
+from draftsmith.eval.sampling import SamplingParams
+from draftsmith.eval.summary import (
     REPORT_FORMAT,
     REPORT_VERSION,
     classify_divergence,
@@ -68,17 +68,17 @@ from eval.summary import (
     greedy_verdict,
     summarise,
 )
-from eval.tree_auto import (
+from draftsmith.eval.tree_auto import (
     CALIBRATION_NEW_TOKENS,
     CALIBRATION_NUM_PROMPTS,
     DEFAULT_CALIBRATION_PROMPTS,
 )
-from eval.tree_cost import CALIBRATION_BUDGET_S
-from heads.command_line import program, run_command
-from heads.output_dir import named_paths, write_atomic
-from heads.target import dtype_name, load_target, parse_dtype
-from layouts.gguf import DEFAULT_GGUF_TYPE
-from layouts.llama_cpp import GGUF_TYPES, stop_on_signals
+from draftsmith.eval.tree_cost import CALIBRATION_BUDGET_S
+from draftsmith.files.command_line import program, run_command
+from draftsmith.files.output_dir import named_paths, write_atomic
+from draftsmith.layouts.gguf import DEFAULT_GGUF_TYPE
+from draftsmith.layouts.llama_cpp import GGUF_TYPES, stop_on_signals
+from draftsmith.targets.target import dtype_name, load_target, parse_dtype
 
 # ---------------------------------------------------------------------------------------------
 # running
@@ -91,7 +91,7 @@ def explain_differences(methods: list[Method], records: list[dict], prompts: lis
 
     Each differing prompt is replayed (untimed) by the method and by the reference with the
     target's logits recorded; at the first differing position the two tokens are classified as
-    a numerical tie or a real divergence (eval.summary.classify_divergence). Sets each record's
+    a numerical tie or a real divergence (draftsmith.eval.summary.classify_divergence). Sets each record's
     ``divergences`` and ``greedy_verdict``.
     """
     by_name = {m.name: m for m in methods}
@@ -127,7 +127,7 @@ def explain_differences(methods: list[Method], records: list[dict], prompts: lis
 def compile_seconds(methods: list[Method]) -> dict[str, float]:
     """Seconds spent compiling, per compiled module (the target, each draft), apart from every
     method's timed seconds."""
-    from eval.forward import compiled_forwards
+    from draftsmith.eval.forward import compiled_forwards
 
     return {name: round(seconds, 1) for name, seconds in compiled_forwards().items()}
 
@@ -137,7 +137,7 @@ def compile_seconds(methods: list[Method]) -> dict[str, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=program("python -m eval.bench"), description=__doc__,
+    p = argparse.ArgumentParser(prog=program("python -m draftsmith.eval.bench"), description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m",
                    help="HF model directory, .gguf file, or embedded name (default smollm2-135m)")
@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the whole interleaved set N times; each run's speedup is reported")
     p.add_argument("--out", default=None, help="write the JSON report here")
     p.add_argument("--html", default=None,
-                   help="also write the HTML report here (python -m eval.report makes it later)")
+                   help="also write the HTML report here (python -m draftsmith.eval.report makes it later)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", type=parse_dtype, default=None,
                    help="the target's precision (default: bf16 on GPU, fp32 on CPU)")
@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the target's attention kernel: sdpa, eager, ... (default: transformers')")
     p.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads")
     p.add_argument("--compile", choices=("auto", *COMPILE_MODES), default="auto",
-                   help="compile the engine's and the drafts' forwards (eval.forward): on "
+                   help="compile the engine's and the drafts' forwards (draftsmith.eval.forward): on "
                         "(inductor's default), max (inductor's freezing pass, GEMMs "
                         "autotuned, kernels called from C++: the fastest rounds, 5-8 minutes "
                         "of compiling for a 135M target on 2 cores), off; auto: max for a "
@@ -663,10 +663,10 @@ def format_report(report: dict) -> str:
 
 
 def run_cli(argv=None) -> int:
-    """``python -m eval.bench``: errors in the user's input end in one line, not a traceback; a
+    """``python -m draftsmith.eval.bench``: errors in the user's input end in one line, not a traceback; a
     signal (SIGTERM, Ctrl-C, SIGHUP) stops every llama-server and removes the temporary work
     directory before the exit (status 128 + the signal's number)."""
-    prog = "python -m eval.bench"
+    prog = "python -m draftsmith.eval.bench"
     with stop_on_signals(prog):
         return run_command(lambda: main(argv), prog)
 

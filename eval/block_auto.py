@@ -8,14 +8,14 @@ tokens per second.
 
 * **Acceptance** (per artifact): along the target's greedy continuations of a few held-out
   prompts, every position is an anchor of one block run in parallel (the training layout,
-  :func:`heads.dflash.block_mask`); depth d is accepted where the block's first d greedy tokens
+  :func:`draftsmith.heads.dflash.block_mask`); depth d is accepted where the block's first d greedy tokens
   equal the continuation (DSpark's Markov term teacher-forced with the true tokens, which are the
   draft's own wherever the earlier slots were accepted). Stored under the weights' digest as
   ``rank_accuracies`` (one rank per depth: P(depth d | depth d - 1)).
 * **Costs** (per machine): the verification forward of 1 .. B tokens and one block forward,
-  measured with :mod:`eval.tree_cost` and stored under the machine key, as trees' costs are.
+  measured with :mod:`draftsmith.eval.tree_cost` and stored under the machine key, as trees' costs are.
 
-Both live in ``<artifact>/tree_calibration.json`` beside trees' calibrations (eval.tree_auto).
+Both live in ``<artifact>/tree_calibration.json`` beside trees' calibrations (draftsmith.eval.tree_auto).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import os
 
 import torch
 
-from eval.engine import SpeculativeEngine
-from eval.tree_auto import (
+from draftsmith.eval.engine import SpeculativeEngine
+from draftsmith.eval.tree_auto import (
     Calibration,
     _acceptance_problem,
     _calibration_prompts,
@@ -33,7 +33,7 @@ from eval.tree_auto import (
     artifact_weights_digest,
     log,
 )
-from eval.tree_cost import (
+from draftsmith.eval.tree_cost import (
     COST_CONTEXT,
     interpolate,
     machine_description,
@@ -41,8 +41,8 @@ from eval.tree_cost import (
     measure_draft_cost,
     measure_verify_cost,
 )
-from heads.dflash import block_mask
-from heads.target import Target
+from draftsmith.heads.dflash import block_mask
+from draftsmith.targets.target import Target
 
 BLOCK_PROMPTS = 4
 BLOCK_NEW_TOKENS = 64
@@ -107,7 +107,7 @@ def measure_block_cost(proposer, target: Target, *, context: int = COST_CONTEXT,
                        repeats: int = BLOCK_REPEATS, seed: int = 0, compile: bool | str = False) -> float:
     """Median seconds a block draft adds to a round (its block forward, reading the block,
     committing the accepted states): whole rounds minus the engine's side
-    (:func:`eval.tree_cost.measure_draft_cost`)."""
+    (:func:`draftsmith.eval.tree_cost.measure_draft_cost`)."""
     return measure_draft_cost(proposer, target, context=context, repeats=repeats, seed=seed,
                               compile=compile)
 

@@ -2,7 +2,7 @@
 
 ``--method dflash:<artifact>`` / ``--method dspark:<artifact>``: :class:`BlockProposer`. The
 draft keeps each layer's keys and values of every committed position (the target's hidden
-states there, fused: :meth:`heads.dflash.DFlashDraft.context`), one entry per position the target
+states there, fused: :meth:`draftsmith.heads.dflash.DFlashDraft.context`), one entry per position the target
 has processed, so between rounds it equals a fresh computation over the accepted sequence. A
 round runs the block ``[anchor, MASK, ...]`` (the anchor is the sequence's last token, which the
 target has not processed) once and reads its predictions:
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from eval.block_auto import auto_block_length
-from eval.host import to_host
-from eval.kv import grown
-from eval.proposers import Proposer
-from eval.runners import (
+from draftsmith.eval.block_auto import auto_block_length
+from draftsmith.eval.host import to_host
+from draftsmith.eval.kv import grown
+from draftsmith.eval.proposers import Proposer
+from draftsmith.eval.runners import (
     ARTIFACT_FIXED_OPTIONS,
     TREE_AUTO,
     BuildContext,
@@ -39,11 +39,11 @@ from eval.runners import (
     int_at_least,
     parse_probability,
 )
-from eval.sampling import warp
-from eval.tree import DraftTree
-from heads.artifact import read_artifact_config
-from heads.dflash import ConfigValueError, DFlashConfig, DFlashDraft
-from layouts.dflash import SPEC_TYPES, export_block, load_block_draft
+from draftsmith.eval.sampling import warp
+from draftsmith.eval.tree import DraftTree
+from draftsmith.heads.artifact import read_artifact_config
+from draftsmith.heads.dflash import ConfigValueError, DFlashConfig, DFlashDraft
+from draftsmith.layouts.dflash import SPEC_TYPES, export_block, load_block_draft
 
 
 class BlockProposer(Proposer):
@@ -218,7 +218,7 @@ def build_block(method: str):
 def serve_block(method: str):
     def serve(arg: str, name: str, ctx) -> list[str]:
         """``dflash:<artifact>`` in llama.cpp: exported to GGUF, ``--spec-type draft-dflash``
-        (``draft-dspark``); ``ctx``: eval.llama_bench.ServeContext."""
+        (``draft-dspark``); ``ctx``: draftsmith.eval.llama_bench.ServeContext."""
         path = ctx.work_dir / f"{method}-{len(list(ctx.work_dir.glob('*.gguf')))}.gguf"
         gguf = export_block(arg, "gguf", path, target=ctx.target, gguf_type=ctx.gguf_type,
                             overwrite=True)

@@ -6,10 +6,10 @@ layers): :class:`DraftModelProposer`, with the options ``--draft-depth``,
 (:data:`DRAFT_FLAGS`). The draft keeps its own KV cache over the accepted sequence.
 
 A draft directory may record how it drafts best (``"proposal"`` in its ``"draftsmith"`` block:
-the trainer writes its evaluation options there, ``python -m eval.draft propose`` a tuned
+the trainer writes its evaluation options there, ``python -m draftsmith.eval.draft propose`` a tuned
 setting): those options apply where the command line sets none (:func:`draft_options`).
 
-    python -m eval.draft propose artifacts/smollm2-135m/draft --draft-branching 3
+    python -m draftsmith.eval.draft propose artifacts/smollm2-135m/draft --draft-branching 3
 """
 
 from __future__ import annotations
@@ -21,20 +21,26 @@ from pathlib import Path
 
 import torch
 
-from distill.draft import read_draft_info
-from eval.forward import model_forward
-from eval.host import to_host
-from eval.kv import compact
-from eval.proposers import Proposer
-from eval.runners import BuildContext, EngineMethod, OptionFlag, int_at_least, parse_probability
-from eval.sampling import warp
-from eval.tree import DraftTree
-from heads.artifact import DRAFT_INFO_KEY
-from heads.command_line import program, run_command
-from heads.output_dir import write_atomic
-from heads.target import attention_bias
-from layouts.draft import export_layout
-from layouts.files import ExportOptions
+from draftsmith.eval.forward import model_forward
+from draftsmith.eval.host import to_host
+from draftsmith.eval.kv import compact
+from draftsmith.eval.proposers import Proposer
+from draftsmith.eval.runners import (
+    BuildContext,
+    EngineMethod,
+    OptionFlag,
+    int_at_least,
+    parse_probability,
+)
+from draftsmith.eval.sampling import warp
+from draftsmith.eval.tree import DraftTree
+from draftsmith.files.command_line import program, run_command
+from draftsmith.files.output_dir import write_atomic
+from draftsmith.heads.artifact import DRAFT_INFO_KEY
+from draftsmith.heads.distill import read_draft_info
+from draftsmith.layouts.draft import export_layout
+from draftsmith.layouts.files import ExportOptions
+from draftsmith.targets.target import attention_bias
 
 
 class DraftModelProposer(Proposer):
@@ -53,7 +59,7 @@ class DraftModelProposer(Proposer):
     cache are kept by a device index. A chain is drafted to its full depth and cut afterwards,
     with one read of its confidences (only when ``min_confidence`` > 0): a serving engine drafts
     a fixed number of tokens too, and stopping at each token would read the device every step.
-    ``compile``: the draft's forward is compiled (:mod:`eval.forward`).
+    ``compile``: the draft's forward is compiled (:mod:`draftsmith.eval.forward`).
     """
 
     name = "draft"
@@ -281,7 +287,7 @@ def recorded_proposal(spec: str) -> dict:
     if not isinstance(proposal, dict) or set(proposal) - known:
         raise ValueError(f"{spec}/config.json: its {PROPOSAL_KEY!r} must map options among "
                          f"{sorted(known)} to values, got {proposal!r}; record it again with "
-                         f"`python -m eval.draft propose {spec} ...`")
+                         f"`python -m draftsmith.eval.draft propose {spec} ...`")
     return {k: v for k, v in proposal.items() if v is not None}
 
 
@@ -313,7 +319,7 @@ def build_draft(arg: str, name: str, ctx: BuildContext) -> EngineMethod:
 
 def serve_draft(arg: str, name: str, ctx) -> list[str]:
     """``draft:<dir>`` in llama.cpp: the distilled draft exported to GGUF, ``--spec-type
-    draft-simple`` (``ctx``: eval.llama_bench.ServeContext)."""
+    draft-simple`` (``ctx``: draftsmith.eval.llama_bench.ServeContext)."""
     if arg.startswith("truncate:"):
         raise ValueError(f"{name!r}: llama.cpp serves a draft from its own GGUF; give a draft "
                          "model directory (a distilled draft), not the target's first layers")
@@ -343,8 +349,8 @@ def propose(directory: str, options: dict) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=program("python -m eval.draft"), description=(
-        "Record how a distilled draft drafts by default (the options eval.bench applies to "
+    parser = argparse.ArgumentParser(prog=program("python -m draftsmith.eval.draft"), description=(
+        "Record how a distilled draft drafts by default (the options draftsmith.eval.bench applies to "
         "draft:<dir> where its command line sets none)."))
     sub = parser.add_subparsers(dest="command", required=True)
     record = sub.add_parser("propose", help="record the draft's default drafting in its "
@@ -365,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[draft] {args.directory} drafts with {recorded} unless the command line says "
               f"otherwise")
 
-    return run_command(run, "python -m eval.draft")
+    return run_command(run, "python -m draftsmith.eval.draft")
 
 
 if __name__ == "__main__":

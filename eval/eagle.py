@@ -33,11 +33,12 @@ import os
 
 import torch
 
-from eval.forward import model_forward
-from eval.host import to_host
-from eval.kv import crop
-from eval.proposers import Proposer
-from eval.runners import (
+from draftsmith.eval.attention import tree_attention_mask
+from draftsmith.eval.forward import model_forward
+from draftsmith.eval.host import to_host
+from draftsmith.eval.kv import crop
+from draftsmith.eval.proposers import Proposer
+from draftsmith.eval.runners import (
     ARTIFACT_FIXED_OPTIONS,
     TREE_AUTO,
     TREE_FIXED,
@@ -48,12 +49,12 @@ from eval.runners import (
     parse_tree_nodes,
     tree_caps,
 )
-from eval.tree import DraftTree, ancestor_table
-from eval.tree_auto import auto_eagle_tree
-from heads.eagle import EagleHead, causal_mask
-from heads.medusa_tree import AUTO
-from heads.target import Target, tree_attention_mask
-from layouts.eagle import export_eagle_gguf, load_eagle_head
+from draftsmith.eval.tree import DraftTree, ancestor_table
+from draftsmith.eval.tree_auto import auto_eagle_tree
+from draftsmith.heads.eagle import EagleHead, causal_mask
+from draftsmith.heads.medusa_tree import AUTO
+from draftsmith.layouts.eagle import export_eagle_gguf, load_eagle_head
+from draftsmith.targets.target import Target
 
 DEFAULT_DEPTH = 5
 DEFAULT_TOPK = 8
@@ -122,7 +123,7 @@ class EagleProposer(Proposer):
         target on a CPU); the head's numerics never touch exactness, which depends on the
         target alone. ``name`` defaults to ``eagle:<path>``. ``allow_other_weights``: accept a
         target of the recorded shapes whose weights differ from the ones the head was trained for.
-        ``compile``: the head's forward is compiled (:mod:`eval.forward`).
+        ``compile``: the head's forward is compiled (:mod:`draftsmith.eval.forward`).
         """
         head = load_eagle_head(path, target, dtype=dtype,
                                allow_other_weights=allow_other_weights).eval()
@@ -316,7 +317,7 @@ def build_eagle(arg: str, name: str, ctx: BuildContext) -> EngineMethod:
 
 def serve_eagle(arg: str, name: str, ctx) -> list[str]:
     """``eagle:<artifact>`` in llama.cpp: the head exported to GGUF, ``--spec-type draft-eagle3``
-    (``ctx``: eval.llama_bench.ServeContext)."""
+    (``ctx``: draftsmith.eval.llama_bench.ServeContext)."""
     gguf = export_eagle_gguf(arg, ctx.work_dir / f"eagle-{len(list(ctx.work_dir.glob('*.gguf')))}.gguf",
                              target=ctx.target, gguf_type=ctx.gguf_type, overwrite=True)
     return ctx.draft_args(gguf, "draft-eagle3", 3)  # llama.cpp's own default

@@ -8,15 +8,15 @@ is the same loop with an empty tree, so every method is measured through identic
 
 A round is built to cost what a serving engine's does (docs/evaluator.md, "The engine"):
 
-* the caches are preallocated (:mod:`eval.kv`): the target writes into named slots, the accepted
+* the caches are preallocated (:mod:`draftsmith.eval.kv`): the target writes into named slots, the accepted
   path is compacted in place from a device index, and cropping moves a length pointer;
 * the tree, its positions and mask, the acceptance (greedy and sampled, chain and tree) and the
   gathers of accepted rows stay on the target's device; the round's one read on the host is the
-  accepted path and the next token (:class:`eval.acceptance.TreeOutcome`), through
-  :func:`eval.host.to_host`, whose reads the benchmark counts per round;
+  accepted path and the next token (:class:`draftsmith.eval.acceptance.TreeOutcome`), through
+  :func:`draftsmith.eval.host.to_host`, whose reads the benchmark counts per round;
 * the target's attention reads the cache as it is, without copies per layer
-  (:mod:`eval.attention`), and with ``compile=True`` the verification forward is compiled
-  (:mod:`eval.forward`), two graphs for every tree size and context length.
+  (:mod:`draftsmith.eval.attention`), and with ``compile=True`` the verification forward is compiled
+  (:mod:`draftsmith.eval.forward`), two graphs for every tree size and context length.
 
 Every round's tree size, context length and wall time are kept (``Generation.rounds``): the cost
 model behind ``--tree auto`` is fitted to rounds like these, and the report compares what it
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eval.acceptance import (
+from draftsmith.eval.acceptance import (
     DepthCounts,
     TreeOutcome,
     chain_outcome,
@@ -38,13 +38,13 @@ from eval.acceptance import (
     verify_chain_greedy,
     verify_tree,
 )
-from eval.forward import compiling_seconds, model_forward
-from eval.host import host_reads, to_host
-from eval.kv import compact
-from eval.proposers import Proposer
-from eval.sampling import SamplingParams, warp
-from eval.tree import DraftTree
-from heads.target import Target, attention_bias
+from draftsmith.eval.forward import compiling_seconds, model_forward
+from draftsmith.eval.host import host_reads, to_host
+from draftsmith.eval.kv import compact
+from draftsmith.eval.proposers import Proposer
+from draftsmith.eval.sampling import SamplingParams, warp
+from draftsmith.eval.tree import DraftTree
+from draftsmith.targets.target import Target, attention_bias
 
 
 @dataclass
@@ -61,7 +61,7 @@ class Generation:
     seconds: float = 0.0
     # every decoding round: (tree nodes, tokens already in the target's cache, seconds)
     rounds: list[tuple[int, int, float]] = field(default_factory=list)
-    host_reads: int = 0  # device values read on the host while decoding (eval.host)
+    host_reads: int = 0  # device values read on the host while decoding (draftsmith.eval.host)
     # compiling that happened inside this generation (a graph's first use): left out of
     # ``seconds`` and of every round's seconds
     compile_seconds: float = 0.0
@@ -99,7 +99,7 @@ class DecodeState:
     started: float
     root: torch.Tensor | None = None  # (1,) the last emitted token, on the target's device
     round_started: float = 0.0
-    compiled_before: float = 0.0  # eval.forward.compiling_seconds() when the generation began
+    compiled_before: float = 0.0  # draftsmith.eval.forward.compiling_seconds() when the generation began
     round_compiled: float = 0.0  # the same when the round began
 
     @property
@@ -152,7 +152,7 @@ class SpeculativeEngine:
     """Batch size 1 speculative decoding against a frozen target (see the module docstring).
 
     ``compile``: compile the target's verification forward (and, where they take it, the
-    proposers' drafts: :mod:`eval.forward`); the time compiling takes is :attr:`compile_seconds`,
+    proposers' drafts: :mod:`draftsmith.eval.forward`); the time compiling takes is :attr:`compile_seconds`,
     never part of a generation's ``seconds`` (a graph compiled mid-generation, at a shape the
     warm-up did not meet, is subtracted and counted in ``Generation.compile_seconds``).
     """

@@ -1,8 +1,8 @@
 """How the engine runs a model's forward: its static cache, its attention, compiled or not.
 
 A :class:`ModelForward` wraps one module the engine calls every round (the target, a draft LM, an
-EAGLE head): it owns the module's :class:`eval.kv.StaticCache` (allocated once, reused by every
-generation), switches the module's attention to the engine's (:mod:`eval.attention`) for the call,
+EAGLE head): it owns the module's :class:`draftsmith.eval.kv.StaticCache` (allocated once, reused by every
+generation), switches the module's attention to the engine's (:mod:`draftsmith.eval.attention`) for the call,
 names the cache slots the call writes, and, with ``compile=True``, runs the call through
 ``torch.compile``.
 
@@ -30,8 +30,8 @@ import weakref
 import torch
 from torch._dynamo.utils import counters
 
-from eval.attention import engine_attention
-from eval.kv import MIN_CAPACITY, StaticCache
+from draftsmith.eval.attention import engine_attention
+from draftsmith.eval.kv import MIN_CAPACITY, StaticCache
 
 _FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _COMPILING = [0.0]  # seconds every ModelForward of this process has spent compiling

@@ -11,7 +11,7 @@ every later generation of the same engine. A length pointer says how many entrie
   appends its new entries at the pointer and returns views of its real entries, as
   ``DynamicCache`` does; the tests and transformers' own ``generate`` use it so. The engine
   instead names the slots to write (:attr:`StaticCache.slots`, a device tensor) and gets the
-  whole buffers back: its attention (:mod:`eval.attention`) reads only as many entries as its
+  whole buffers back: its attention (:mod:`draftsmith.eval.attention`) reads only as many entries as its
   mask is long, so the shapes a compiled forward sees do not depend on the values of the lengths
   and the engine moves the pointer itself after the round.
 

@@ -1,6 +1,6 @@
-"""``python -m eval.bench --engine llama.cpp``: every method in the engine people serve with.
+"""``python -m draftsmith.eval.bench --engine llama.cpp``: every method in the engine people serve with.
 
-    python -m eval.bench --engine llama.cpp --target smollm2-135m --method plain \\
+    python -m draftsmith.eval.bench --engine llama.cpp --target smollm2-135m --method plain \\
         --method ngram:ngram-simple --method eagle:artifacts/smollm2-135m/eagle3 \\
         --prompts data/eval/mt_bench_question.jsonl --num-prompts 20 --max-new-tokens 128
 
@@ -10,7 +10,7 @@ interleaved prompt by prompt with the order rotated, after a warm-up; every serv
 the run ends, fails or is interrupted. The target is a GGUF file: the embedded name's own GGUF,
 a ``.gguf`` given as it is, or a Hugging Face directory converted once by llama.cpp's converter
 (``--gguf-target-type``, f32 by default). Heads and drafts are exported to GGUF for the run
-(``--gguf-type``). Each row of ``eval.methods.BENCH_METHODS`` says what its method is in
+(``--gguf-type``). Each row of ``draftsmith.eval.methods.BENCH_METHODS`` says what its method is in
 llama.cpp (``serve``): ``plain``; ``ngram:<type>`` (llama.cpp's own n-gram lookups);
 ``eagle:<artifact>`` (``--spec-type draft-eagle3``); ``draft:<dir>`` (``draft-simple``).
 
@@ -35,14 +35,14 @@ from pathlib import Path
 
 import torch
 
-from eval.acceptance import DepthCounts
-from eval.methods import build_methods, method_for, resolve
-from eval.runners import Method, run_benchmark
-from eval.sampling import SamplingParams
-from eval.summary import PromptRun
-from heads.output_dir import check_writable_dir
-from heads.target import Target
-from layouts.llama_cpp import LlamaServer, find_llama_server
+from draftsmith.eval.acceptance import DepthCounts
+from draftsmith.eval.methods import build_methods, method_for, resolve
+from draftsmith.eval.runners import Method, run_benchmark
+from draftsmith.eval.sampling import SamplingParams
+from draftsmith.eval.summary import PromptRun
+from draftsmith.files.output_dir import check_writable_dir
+from draftsmith.layouts.llama_cpp import LlamaServer, find_llama_server
+from draftsmith.targets.target import Target
 
 ENGINE = "llama.cpp"
 # llama.cpp quantises activations to 8 bits (q8) for quantised weights' dot products, so a
@@ -206,8 +206,8 @@ class EngineRun:
 
 def llama_engine(args, prompt_set, specs: list[str], stack: contextlib.ExitStack) -> EngineRun:
     """Start the servers of ``specs`` (``plain`` first, added when missing) for ``args``."""
-    from heads.target import load_target, load_target_parts
-    from layouts.llama_cpp import COMMIT, gguf_for_target
+    from draftsmith.layouts.llama_cpp import COMMIT, gguf_for_target
+    from draftsmith.targets.target import load_target, load_target_parts
 
     if "plain" not in specs:
         print("[bench] adding `plain`: with --engine llama.cpp speedup is measured against "

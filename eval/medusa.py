@@ -24,9 +24,9 @@ import os
 
 import torch
 
-from eval.acceptance import TreeOutcome, verify_tree
-from eval.proposers import Proposer
-from eval.runners import (
+from draftsmith.eval.acceptance import TreeOutcome, verify_tree
+from draftsmith.eval.proposers import Proposer
+from draftsmith.eval.runners import (
     ARTIFACT_FIXED_OPTIONS,
     TREE_AUTO,
     BuildContext,
@@ -37,13 +37,13 @@ from eval.runners import (
     parse_tree_nodes,
     tree_caps,
 )
-from eval.sampling import SamplingParams, warp
-from eval.tree import DraftTree
-from eval.tree_auto import auto_medusa_tree, size_medusa_tree
-from heads.medusa import MedusaHeads
-from heads.medusa_tree import check_tree, check_tree_nodes, prune_tree
-from heads.target import Target
-from layouts.medusa import load_medusa_heads
+from draftsmith.eval.sampling import SamplingParams, warp
+from draftsmith.eval.tree import DraftTree
+from draftsmith.eval.tree_auto import auto_medusa_tree, size_medusa_tree
+from draftsmith.heads.medusa import MedusaHeads
+from draftsmith.heads.medusa_tree import check_tree, check_tree_nodes, prune_tree
+from draftsmith.layouts.medusa import load_medusa_heads
+from draftsmith.targets.target import Target
 
 DEFAULT_POSTERIOR_THRESHOLD = 0.09
 DEFAULT_POSTERIOR_ALPHA = 0.3
@@ -158,7 +158,7 @@ class MedusaProposer(Proposer):
                     f"the Medusa artifact {path} stores no held-out rank accuracies, so its tree "
                     "cannot be rebuilt for another size: drop tree_nodes (--tree-nodes), or save "
                     "the artifact with tree_info={'rank_accuracies': ...} "
-                    "(eval.tree_auto.size_medusa_tree gives both)")
+                    "(draftsmith.eval.tree_auto.size_medusa_tree gives both)")
             else:
                 tree = prune_tree(tree, heads.num_heads, max_depth, max_topk)
         if typical:

@@ -1,24 +1,24 @@
 """The eval floor's table: every method the benchmark runs, its builder and its options.
 
 One row per method name on the command line: the baselines (``plain``, ``hf``, ``pld``,
-``hf-pld``, ``hf-assisted:``) and one row per draft method, the column ``heads.methods`` names
+``hf-pld``, ``hf-assisted:``) and one row per draft method, the column ``draftsmith.heads.methods`` names
 (``draft:``, ``eagle:``, ``medusa:``). A row gives
 
 * ``spec``: how it is written (``plain``, or a prefix and its argument: ``eagle:<artifact>``);
 * ``build(arg, name, ctx) -> Method``: ``arg`` is what follows the prefix, ``ctx`` the
-  :class:`eval.runners.BuildContext` (target, engine, options, benchmark-wide settings); None
+  :class:`draftsmith.eval.runners.BuildContext` (target, engine, options, benchmark-wide settings); None
   where the method exists in llama.cpp only;
 * ``serve(arg, name, ctx) -> list[str]``: the method in llama.cpp (``--engine llama.cpp``), as
-  the llama-server arguments beyond the target (``ctx``: :class:`eval.llama_bench.ServeContext`);
+  the llama-server arguments beyond the target (``ctx``: :class:`draftsmith.eval.llama_bench.ServeContext`);
   None where llama.cpp has no counterpart;
 * ``kind`` and ``flags``: the option group it reads and the flags that set it
-  (:class:`eval.runners.OptionFlag`, defaults read from the proposer's signature), ``owner``
+  (:class:`draftsmith.eval.runners.OptionFlag`, defaults read from the proposer's signature), ``owner``
   the callable whose signature holds them, ``fixed_options`` its options no flag sets and why;
 * ``column``: the draft method it measures (None for a baseline), ``trees``: whether
   ``--tree auto`` sizes it, ``top1_metric``: the regular expression of the per-step (or
   per-head) top-1 its trainer logs, which the report plots.
 
-``eval.bench`` builds its flags and its methods from this table alone.
+``draftsmith.eval.bench`` builds its flags and its methods from this table alone.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from eval import baselines, dflash, draft, eagle, medusa
-from eval.engine import SpeculativeEngine
-from eval.runners import TREE_FIXED, TREE_MODES, BuildContext, Method, OptionFlag
-from heads.target import Target
+from draftsmith.eval import baselines, dflash, draft, eagle, medusa
+from draftsmith.eval.engine import SpeculativeEngine
+from draftsmith.eval.runners import TREE_FIXED, TREE_MODES, BuildContext, Method, OptionFlag
+from draftsmith.targets.target import Target
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class BenchMethod:
     flags: tuple[OptionFlag, ...] = ()  # the flags of that group (one row per group owns them)
     owner: Callable | None = None  # whose signature holds the group's options
     fixed_options: dict[str, str] = field(default_factory=dict)
-    column: str | None = None  # the draft method it measures (heads.methods); None: a baseline
+    column: str | None = None  # the draft method it measures (draftsmith.heads.methods); None: a baseline
     trees: bool = False  # --tree auto sizes its trees
     top1_metric: str | None = None  # regex of the top-1 its trainer logs (group 1: step/head)
     serve: Callable[[str, str, object], list[str]] | None = None  # its llama-server arguments
@@ -148,11 +148,11 @@ def build_methods(specs: list[str], target: Target, *, options: dict[str, dict] 
     ``options``: option kind -> keyword options of that kind's proposer; ``draft_dtype``: the
     precision of draft LMs and heads (None: the target's); ``allow_other_weights``: heads trained
     for a target of the same shapes but other weights are accepted (otherwise refused).
-    ``tree="auto"``: trees are chosen by expected tokens/s on this machine (eval.tree_auto); the
+    ``tree="auto"``: trees are chosen by expected tokens/s on this machine (draftsmith.eval.tree_auto); the
     depth / topk / tree_nodes options then cap the search. ``tree_calibration``: keyword options
     of the acceptance measurement (calibration_prompts, num_prompts, max_new_tokens) for
     artifacts that have none. ``compile``: the engine's and the drafts' forwards compiled
-    (eval.forward.COMPILE_MODES); ``max_cache_len``: the longest prompt plus the new tokens
+    (draftsmith.eval.forward.COMPILE_MODES); ``max_cache_len``: the longest prompt plus the new tokens
     (transformers' static cache is sized with it).
     """
     if tree not in TREE_MODES:

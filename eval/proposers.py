@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from eval.sampling import SamplingParams
-from eval.tree import DraftTree, build_trie
+from draftsmith.eval.sampling import SamplingParams
+from draftsmith.eval.tree import DraftTree, build_trie
 
 
 class Proposer:

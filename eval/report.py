@@ -1,6 +1,6 @@
 """The benchmark's report: one self-contained HTML page, the same tables and plots in W&B.
 
-    python -m eval.report REPORT.json [REPORT.json ...] [--metrics runs/*/metrics.jsonl] \\
+    python -m draftsmith.eval.report REPORT.json [REPORT.json ...] [--metrics runs/*/metrics.jsonl] \\
         --out report.html
 
 The page (images embedded, nothing fetched) has, for every report: the run's set-up and the
@@ -15,7 +15,7 @@ version or another tool is skipped with the reason on the page and on stderr; ga
 metrics file are counted and skipped; a figure with nothing to show is replaced by a sentence
 saying what is missing, never drawn empty.
 
-W&B (``eval.bench --wandb``, and training's ``report_to: wandb`` through :func:`wandb_mode` and
+W&B (``draftsmith.eval.bench --wandb``, and training's ``report_to: wandb`` through :func:`wandb_mode` and
 :func:`announce_wandb_run`) follows W&B's own convention: online when the user is logged in,
 offline otherwise, and the run says which at its start.
 """
@@ -36,16 +36,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from eval.methods import BENCH_METHODS
-from eval.summary import (
+from draftsmith.eval.methods import BENCH_METHODS
+from draftsmith.eval.summary import (
     BOOTSTRAP_RESAMPLES,
     CONFIDENCE,
     REPORT_FORMAT,
     REPORT_VERSION,
     greedy_summary,
 )
-from heads.command_line import program
-from heads.output_dir import check_file_destination, named_paths, write_atomic
+from draftsmith.files.command_line import program
+from draftsmith.files.output_dir import check_file_destination, named_paths, write_atomic
 
 SECTIONS = (
     ("summary", "Set-up and verdict"),
@@ -83,10 +83,10 @@ def read_report(path: str | os.PathLike) -> dict:
         raise ReportError(f"{path}: not valid JSON at line {err.lineno}, column {err.colno}"
                           f"{hint}") from err
     if not isinstance(data, dict) or not isinstance(data.get("methods"), list):
-        raise ReportError(f"{path}: not an eval.bench report (no 'methods' list)")
+        raise ReportError(f"{path}: not a draftsmith.eval.bench report (no 'methods' list)")
     fmt = data.get("format")
     if fmt is not None and fmt != REPORT_FORMAT:
-        raise ReportError(f"{path}: a {fmt!r} file, not an eval.bench report")
+        raise ReportError(f"{path}: a {fmt!r} file, not a draftsmith.eval.bench report")
     version = data.get("version", 1)
     if not isinstance(version, int) or version > REPORT_VERSION:
         raise ReportError(f"{path}: written by a newer draftsmith (report version {version!r}; "
@@ -306,7 +306,7 @@ def categories_figure(categories: list[dict], reference: str = "hf") -> bytes | 
 
 
 def _top1_patterns() -> list[re.Pattern]:
-    """The per-step / per-head top-1 metrics every trainer logs (eval.methods' rows say which)."""
+    """The per-step / per-head top-1 metrics every trainer logs (draftsmith.eval.methods' rows say which)."""
     return [re.compile(row.top1_metric) for row in BENCH_METHODS.values() if row.top1_metric]
 
 
@@ -529,9 +529,9 @@ def build_report(reports: list[tuple[str, dict]], metrics: list[Metrics],
         verdict = data.get("greedy_summary") or greedy_summary(records, reference=ref)
         old = data.get("version", 1) < REPORT_VERSION
         intro = (f"<p><b>{_e(verdict)}</b></p>"
-                 + (f"<p class='missing'>{_e(name)} was written by an older eval.bench (report "
+                 + (f"<p class='missing'>{_e(name)} was written by an older draftsmith.eval.bench (report "
                     "version 1): it holds no per-prompt figures, intervals, categories or "
-                    "accepted lengths; run eval.bench again for them.</p>" if old else "")
+                    "accepted lengths; run draftsmith.eval.bench again for them.</p>" if old else "")
                  + methods_table(records) + trees_table(records) + _config_table(config)
                  + ("" if old else
                     f"<p class='note'>Intervals: {int(CONFIDENCE * 100)}% percentile bootstrap "
@@ -543,7 +543,7 @@ def build_report(reports: list[tuple[str, dict]], metrics: list[Metrics],
             missing=f"no method in this report has a speedup ({ref} was not run?)")
         add("tokens-per-prompt", name,
             image=(f"{name}: tokens/s per prompt", tokens_per_prompt_figure(records)),
-            missing="this report holds no per-prompt figures (an older eval.bench wrote it)")
+            missing="this report holds no per-prompt figures (an older draftsmith.eval.bench wrote it)")
         add("acceptance", name, image=(f"{name}: tau", tau_figure(records)),
             missing="no method in this report has a tau")
         add("acceptance", None, image=(f"{name}: alpha per depth", alpha_figure(records)),
@@ -629,7 +629,7 @@ def is_html_report(path: str | os.PathLike) -> bool:
 
 
 def is_bench_report(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a benchmark report eval.bench wrote (an earlier one)."""
+    """Whether ``path`` is a benchmark report draftsmith.eval.bench wrote (an earlier one)."""
     try:
         read_report(path)
     except ReportError:
@@ -641,12 +641,12 @@ def check_report_out(path: str | os.PathLike, *, inputs=(), overwrite: bool = Fa
                      html: bool | None = None) -> Path:
     """Refuse a report path before any work: never one of the command's ``inputs`` (a prompts
     file, a metrics.jsonl, an artifact directory and the files in it; see
-    :func:`heads.output_dir.named_paths`), not even with ``overwrite``; an existing file only
+    :func:`draftsmith.files.output_dir.named_paths`), not even with ``overwrite``; an existing file only
     when it is an earlier report of its kind (a page when ``html``, by default for a ``.html`` or
     ``.htm`` name; else a benchmark JSON) or with ``overwrite``."""
     html_out = Path(path).suffix.lower() in (".html", ".htm") if html is None else html
     return check_file_destination(
-        path, kind="HTML report" if html_out else "eval.bench report",
+        path, kind="HTML report" if html_out else "draftsmith.eval.bench report",
         replaceable=is_html_report if html_out else is_bench_report, overwrite=overwrite,
         protect=inputs)
 
@@ -744,9 +744,9 @@ def log_to_wandb(report: dict, config: dict, project: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog=program("python -m eval.report"), description=__doc__,
+    p = argparse.ArgumentParser(prog=program("python -m draftsmith.eval.report"), description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("reports", nargs="+", help="report JSON files written by eval.bench --out")
+    p.add_argument("reports", nargs="+", help="report JSON files written by draftsmith.eval.bench --out")
     p.add_argument("--metrics", nargs="*", default=[],
                    help="training runs' metrics.jsonl files, for the training curves")
     p.add_argument("--out", required=True, help="the HTML file to write (new, or an earlier "

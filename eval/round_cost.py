@@ -1,7 +1,7 @@
 """What a round costs on this machine, timed as the engine runs it: the cost model.
 
 A speculative round is propose -> verify -> accept -> compact -> observe. Its cost is split in two
-parts, each timed on whole rounds of :class:`eval.engine.SpeculativeEngine` (so whatever a round
+parts, each timed on whole rounds of :class:`draftsmith.eval.engine.SpeculativeEngine` (so whatever a round
 does, masks, gathers, the acceptance and the host read included, is in the figure):
 
 * **the engine's side**, ``E(n, c)``: a round verifying a tree of ``n`` draft tokens (0 is plain
@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eval.proposers import Proposer
-from eval.sampling import SamplingParams
-from eval.tree import DraftTree
+from draftsmith.eval.proposers import Proposer
+from draftsmith.eval.sampling import SamplingParams
+from draftsmith.eval.tree import DraftTree
 
 ROUND_SIZES = (0, 1, 2, 3, 4, 5, 7, 9, 11, 15, 23, 31, 47, 63)  # draft tokens per round timed
 COST_CONTEXTS = (128, 512)  # tokens cached when rounds are timed (a line through them)
@@ -289,7 +289,7 @@ def cost_model_records(methods, records: list[dict], runs, prompts: list[list[in
     """The cost model of every engine method of a benchmark, measured after its runs, and what
     it predicts for the rounds that ran beside what they took (in place: each record's
     ``cost_model``); -> the engine's costs (None: no engine method)."""
-    from eval.runners import EngineMethod
+    from draftsmith.eval.runners import EngineMethod
 
     engine_methods = [m for m in methods if isinstance(m, EngineMethod)]
     if not engine_methods:

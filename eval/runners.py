@@ -6,7 +6,7 @@
 * :class:`OptionFlag`: one keyword option of a proposer and the command-line flag that sets it;
   its default is read from the proposer's own signature (one default per option).
 * :class:`BuildContext`: the target, the one engine, the options set on the command line and the
-  benchmark-wide settings, handed to every row's builder in ``eval.methods.BENCH_METHODS``.
+  benchmark-wide settings, handed to every row's builder in ``draftsmith.eval.methods.BENCH_METHODS``.
 
 The parsers below turn a flag's text into a typed option with a one-line error.
 """
@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from distill.draft import load_draft
-from eval.engine import SpeculativeEngine
-from eval.proposers import Proposer
-from eval.sampling import SamplingParams
-from eval.summary import MethodRuns, PromptRun
-from heads.medusa_tree import AUTO
-from heads.target import Target
+from draftsmith.eval.engine import SpeculativeEngine
+from draftsmith.eval.proposers import Proposer
+from draftsmith.eval.sampling import SamplingParams
+from draftsmith.eval.summary import MethodRuns, PromptRun
+from draftsmith.heads.distill import load_draft
+from draftsmith.heads.medusa_tree import AUTO
+from draftsmith.targets.target import Target
 
 TREE_AUTO, TREE_FIXED = "auto", "fixed"
 TREE_MODES = (TREE_AUTO, TREE_FIXED)
@@ -138,13 +138,13 @@ class OptionFlag:
 
 @dataclass
 class BuildContext:
-    """What every builder of ``eval.methods.BENCH_METHODS`` is handed.
+    """What every builder of ``draftsmith.eval.methods.BENCH_METHODS`` is handed.
 
     ``options``: option kind -> the keyword options set on the command line (the flags of
     :class:`OptionFlag` with that kind); ``draft_dtype``: the precision of draft models and heads
     (None: the target's); ``allow_other_weights``: heads trained for a target of the same shapes
     but other weights are accepted; ``tree``: "auto" (trees sized by measured cost,
-    eval.tree_auto) or "fixed"; ``tree_calibration``: keyword options of the acceptance
+    draftsmith.eval.tree_auto) or "fixed"; ``tree_calibration``: keyword options of the acceptance
     measurement for artifacts that have none; ``compile``: drafts' forwards are compiled as the
     engine's is (--compile).
     """

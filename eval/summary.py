@@ -23,8 +23,8 @@ from itertools import zip_longest
 import numpy as np
 import torch
 
-from eval.acceptance import DepthCounts
-from eval.prompts import Prompt
+from draftsmith.eval.acceptance import DepthCounts
+from draftsmith.eval.prompts import Prompt
 
 REPORT_FORMAT = "draftsmith-bench"
 REPORT_VERSION = 2

@@ -16,7 +16,7 @@ from a host list) give lists; device proposers (EAGLE, Medusa, a draft LM) give 
 the verification's positions and mask and runs the acceptance from :meth:`DraftTree.device`,
 and only the accepted path crosses to the host. The list views (``tokens``, ``parents``,
 ``children``...) of a device tree are read once, on first use (tests, reports), through
-:func:`eval.host.to_host`. Sizes (``len``, ``depth_bound``, ``is_chain``) are always known on the
+:func:`draftsmith.eval.host.to_host`. Sizes (``len``, ``depth_bound``, ``is_chain``) are always known on the
 host: the shapes of a round never depend on values.
 """
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eval.host import to_host
+from draftsmith.eval.host import to_host
 
 
 @dataclass

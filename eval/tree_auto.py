@@ -10,7 +10,7 @@ cost. Both sides are measured:
   held-out prompts: the head drafts along the true continuation (its own features, the true
   tokens: exactly what it sees on an accepted path) for ``depth`` steps at every position.
 * **Cost** (per machine): the target's verification forward over 1 + n tokens
-  (:func:`eval.tree_cost.measure_verify_cost`, n = 0 being plain decoding) and the draft's cost
+  (:func:`draftsmith.eval.tree_cost.measure_verify_cost`, n = 0 being plain decoding) and the draft's cost
   per round: for EAGLE, catching up on the accepted tokens plus an EAGLE-2 tree of each depth and
   branching (:func:`measure_eagle_draft_cost`); for Medusa, the heads' proposal.
 
@@ -28,7 +28,7 @@ measured and added beside it; nothing in the file is overwritten but this machin
 damaged file (not UTF-8, not JSON, entries of the wrong shape) is named and measured again.
 
 What is measured is bounded by a stated time (``budget_seconds``, 60 s by default:
-:func:`eval.tree_cost.plan_calibration` shrinks the calibration to fit, estimated from one timed
+:func:`draftsmith.eval.tree_cost.plan_calibration` shrinks the calibration to fit, estimated from one timed
 decoding step); how long it will take is said before it starts, and a budget of 0 skips it: the
 stored calibration is used when there is one, else the artifact's fixed tree.
 """
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from eval.tree_cost import (
+from draftsmith.eval.tree_cost import (
     CALIBRATION_BUDGET_S,
     COST_CONTEXT,
     COST_REPEATS,
@@ -63,8 +63,9 @@ from eval.tree_cost import (
     measure_verify_cost,
     plan_calibration,
 )
-from heads.artifact import read_artifact_config
-from heads.medusa_tree import (
+from draftsmith.files.output_dir import write_atomic
+from draftsmith.heads.artifact import read_artifact_config
+from draftsmith.heads.medusa_tree import (
     AUTO,
     RankPath,
     check_tree,
@@ -73,8 +74,7 @@ from heads.medusa_tree import (
     grow_medusa_tree,
     rank_table,
 )
-from heads.output_dir import write_atomic
-from heads.target import Target, dtype_name
+from draftsmith.targets.target import Target, dtype_name
 
 CALIBRATION_FILE = "tree_calibration.json"
 CALIBRATION_FORMAT = "draftsmith-tree-calibration"
@@ -266,8 +266,8 @@ def eagle_rank_accuracies(head, target: Target, prompts: list[list[int]], *,
     ``ranks`` (the path could have been in a tree). Returns {"rank_accuracies": (depth, ranks),
     "positions": anchors per depth, "tokens": continuation tokens}.
     """
-    from eval.engine import SpeculativeEngine
-    from heads.draft_vocab import target_to_draft
+    from draftsmith.eval.engine import SpeculativeEngine
+    from draftsmith.heads.draft_vocab import target_to_draft
 
     engine = SpeculativeEngine(target)
     hits = torch.zeros(depth, ranks, dtype=torch.float64)
@@ -470,7 +470,7 @@ def plan_medusa_tree(target: Target, heads, rank_accuracies, sizes=TIMED_SIZES,
 def size_medusa_tree(rank_accuracies, num_heads: int, tree_nodes: int | str = AUTO, *,
                      max_depth: int | None = None, max_topk: int | None = None,
                      target: Target | None = None, heads=None) -> tuple[list[RankPath], dict]:
-    """The Medusa trainer's tree: :func:`heads.medusa_tree.choose_tree` for a node count, or for
+    """The Medusa trainer's tree: :func:`draftsmith.heads.medusa_tree.choose_tree` for a node count, or for
     "auto" the count that maximises expected tau per cost measured here (needs ``target`` and
     ``heads``) -> (tree, tree_info)."""
     if tree_nodes != AUTO or rank_accuracies is None:
@@ -493,7 +493,7 @@ def size_medusa_tree(rank_accuracies, num_heads: int, tree_nodes: int | str = AU
 
 def _calibration_prompts(target: Target, source, num_prompts: int) -> list[list[int]]:
     """A JSONL of questions (its first ``num_prompts``), or token-id lists as they are."""
-    from eval.prompts import load_prompts
+    from draftsmith.eval.prompts import load_prompts
 
     if isinstance(source, (list, tuple)):
         return [list(p) for p in source[:num_prompts]]
@@ -605,7 +605,7 @@ def medusa_rank_accuracies(heads, target: Target, prompts: list[list[int]], *,
     Head k (0-based) reads h_t and guesses x_{t+2+k}; counted at every position from the last
     prompt token on, each head on its own (the convention of the trainer's held-out accuracies).
     """
-    from eval.engine import SpeculativeEngine
+    from draftsmith.eval.engine import SpeculativeEngine
 
     engine = SpeculativeEngine(target)
     K = heads.num_heads

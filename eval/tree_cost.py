@@ -8,7 +8,7 @@
 
 Costs depend on the machine, never on a head's training, so they are stored per
 :func:`machine_key` (:func:`machine_description`: device and its model, threads, torch, target
-shape, both precisions) in ``<artifact>/tree_calibration.json`` by :mod:`eval.tree_auto`, which
+shape, both precisions) in ``<artifact>/tree_calibration.json`` by :mod:`draftsmith.eval.tree_auto`, which
 turns them and a head's acceptance into the tree to use (``--tree auto``, and the Medusa
 trainer's ``tree_nodes: auto``).
 """
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from eval.forward import compile_mode
-from heads.medusa import MedusaHeads
-from heads.target import Target, dtype_name
+from draftsmith.eval.forward import compile_mode
+from draftsmith.heads.medusa import MedusaHeads
+from draftsmith.targets.target import Target, dtype_name
 
 # verification sizes timed (1 = plain decoding); small ones densely, where CPU optima lie
 TIMED_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
@@ -88,11 +88,11 @@ def measure_verify_cost(target: Target, sizes=TIMED_SIZES, context: int = COST_C
     """Median seconds of the engine's side of a round verifying n tokens (root + n-1 tree
     nodes; n = 1 is plain decoding) with ``context`` tokens cached: whole rounds of the engine
     (its forward, mask, acceptance, host read and compaction), from a proposer whose trees cost
-    nothing to propose (:class:`eval.round_cost.ReplayTree`), sizes interleaved so drifting load
+    nothing to propose (:class:`draftsmith.eval.round_cost.ReplayTree`), sizes interleaved so drifting load
     hits them alike. ``compile``: the engine's compiled forward (compiling happens first, apart).
     """
-    from eval.engine import SpeculativeEngine
-    from eval.round_cost import replay_rounds
+    from draftsmith.eval.engine import SpeculativeEngine
+    from draftsmith.eval.round_cost import replay_rounds
 
     sizes = sorted({int(n) for n in sizes})
     if repeats < 1:
@@ -141,8 +141,8 @@ def measure_eagle_draft_cost(proposer, target: Target, depths, topks, *,
     (catching up on the accepted tokens, the expansion, the tree) and ``observe``, timed inside
     whole rounds of the engine after ``context`` tokens, with every frontier row of that depth
     and branching expanded (``depth * topk`` nodes: the most the shape costs)."""
-    from eval.engine import SpeculativeEngine
-    from eval.round_cost import _context_prompt, _rounds, timed_proposer
+    from draftsmith.eval.engine import SpeculativeEngine
+    from draftsmith.eval.round_cost import _context_prompt, _rounds, timed_proposer
 
     engine = SpeculativeEngine(target, compile=compile)
     prompt = _context_prompt(target.vocab_size, context, seed)
@@ -166,8 +166,8 @@ def measure_draft_cost(proposer, target: Target, *, context: int = COST_CONTEXT,
                        repeats: int = 5, seed: int = 0, compile: bool | str = False) -> float:
     """Median seconds ``proposer`` adds to a round as it drafts now: whole rounds of the engine
     with it after ``context`` tokens, minus the engine's side of rounds of the same sizes."""
-    from eval.engine import SpeculativeEngine
-    from eval.round_cost import _context_prompt, _rounds
+    from draftsmith.eval.engine import SpeculativeEngine
+    from draftsmith.eval.round_cost import _context_prompt, _rounds
 
     engine = SpeculativeEngine(target, compile=compile)
     timed = _rounds(engine, proposer, _context_prompt(target.vocab_size, context, seed),

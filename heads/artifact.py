@@ -3,7 +3,7 @@
     <dir>/config.json        {"method": ..., "target": {identity}, "format_version": 1, ...shapes}
     <dir>/model.safetensors  the trained draft's weights (nothing of the target)
 
-Written through :func:`heads.output_dir.write_dir` (a temporary directory renamed into place,
+Written through :func:`draftsmith.files.output_dir.write_dir` (a temporary directory renamed into place,
 marked as an ``artifact``), so a crash never leaves half an artifact and a directory that is not an
 earlier artifact is never replaced unless the caller asks.
 """
@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from heads.command_line import program, run_command
-from heads.file_formats import load_safetensors, read_json_object
-from heads.output_dir import check_destination, refuse_inputs, write_dir
+from draftsmith.files.command_line import program, run_command
+from draftsmith.files.file_formats import load_safetensors, read_json_object
+from draftsmith.files.output_dir import check_destination, refuse_inputs, write_dir
 
 FORMAT_VERSION = 1
 # an artifact method names the files that read it: lower-case letters, digits, "_" and "-"
@@ -80,11 +80,11 @@ def save_artifact(directory: str | os.PathLike, method: str, config: dict,
 
     An existing ``directory`` is replaced when it is an earlier artifact (or empty; ``same_as``:
     an artifact whose marker holds those values), anything else only with ``overwrite=True``, and
-    never one of the ``protect`` paths (see :func:`heads.output_dir.write_dir`).
+    never one of the ``protect`` paths (see :func:`draftsmith.files.output_dir.write_dir`).
     """
     if not isinstance(method, str) or not _METHOD_NAME.fullmatch(method):
         raise ValueError(f"artifact method {method!r} must be a lower-case name such as "
-                         "'eagle3' (heads.methods.HEAD_METHODS lists the methods)")
+                         "'eagle3' (draftsmith.heads.methods.HEAD_METHODS lists the methods)")
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
     check_finite(tensors, f"the {method} artifact {directory} was not written")
     meta = {"method": method, "format_version": FORMAT_VERSION, "target": target_identity,
@@ -105,7 +105,7 @@ def save_artifact(directory: str | os.PathLike, method: str, config: dict,
 
 def read_artifact_config(directory: str | os.PathLike, method: str | tuple[str, ...] | None = None) -> dict:
     """config.json of an artifact (checked to hold ``method`` when given); a damaged one is a
-    :class:`heads.file_formats.FileFormatError`."""
+    :class:`draftsmith.files.file_formats.FileFormatError`."""
     directory = Path(directory)
     path = directory / "config.json"
     if not path.is_file():
@@ -180,7 +180,7 @@ def cast_artifact(source: str | os.PathLike, out: str | os.PathLike, dtype: torc
 def _cast_draft(source: Path, config: dict, out: str | os.PathLike, dtype: torch.dtype,
                 overwrite: bool) -> Path:
     """:func:`cast_artifact` for a distilled draft (a Hugging Face model directory written by
-    ``distill.draft.save_draft``): its one model.safetensors cast (a reduced vocabulary's
+    ``draftsmith.heads.distill.save_draft``): its one model.safetensors cast (a reduced vocabulary's
     ``lm_head.kept`` ids unchanged), config.json's ``dtype`` set, every other file copied."""
     origin = str(source.resolve())
     weights = sorted(source.glob("*.safetensors"))
@@ -211,9 +211,9 @@ def _cast_draft(source: Path, config: dict, out: str | os.PathLike, dtype: torch
 def build_parser():
     import argparse
 
-    from heads.target import parse_dtype
+    from draftsmith.targets.target import parse_dtype
 
-    parser = argparse.ArgumentParser(prog=program("python -m heads.artifact"),
+    parser = argparse.ArgumentParser(prog=program("python -m draftsmith.heads.artifact"),
                                      description="Operations on draftsmith artifacts.")
     sub = parser.add_subparsers(dest="command", required=True)
     cast = sub.add_parser("cast", help="copy an artifact (or a distilled draft's directory) with "
@@ -229,7 +229,7 @@ def build_parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m heads.artifact cast SOURCE OUT --dtype bf16``; a user's mistake is one line on
+    """``python -m draftsmith.heads.artifact cast SOURCE OUT --dtype bf16``; a user's mistake is one line on
     stderr and exit status 2."""
     args = build_parser().parse_args(argv)
 
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         written = cast_artifact(args.source, args.out, args.dtype, overwrite=args.overwrite)
         print(f"wrote {written} ({args.dtype})")
 
-    return run_command(run, "python -m heads.artifact")
+    return run_command(run, "python -m draftsmith.heads.artifact")
 
 
 if __name__ == "__main__":

@@ -47,9 +47,9 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
-from heads.artifact import load_artifact, save_artifact
-from heads.draft_vocab import check_vocab_maps
-from heads.target import FrozenParts, Target
+from draftsmith.heads.artifact import load_artifact, save_artifact
+from draftsmith.heads.draft_vocab import check_vocab_maps
+from draftsmith.targets.target import FrozenParts, Target
 
 METHODS = ("dflash", "dspark")
 DEFAULT_BLOCK_SIZE = 8
@@ -62,7 +62,7 @@ MAX_BLOCK_SIZE = 64
 
 class ConfigValueError(ValueError):
     """A block draft's config value of the wrong type or out of range; whoever read it from a
-    file says which (:meth:`DFlashConfig.from_dict`, ``eval.dflash.BlockProposer``)."""
+    file says which (:meth:`DFlashConfig.from_dict`, ``draftsmith.eval.dflash.BlockProposer``)."""
 
 
 def _check_integer(name: str, value, low: int, high: int | None = None) -> None:

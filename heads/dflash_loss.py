@@ -4,7 +4,7 @@ Training runs many blocks of one sequence in one forward: ``anchors`` positions 
 row (:func:`sample_anchors`: positions whose next token the loss scores, without replacement,
 from a seeded generator, so a resumed run draws the same), each starting a block ``[x_p, MASK,
 ..., MASK]`` at positions p .. p + B - 1 that sees the fused context of positions < p and its
-own block (:func:`heads.dflash.block_mask`), all blocks in parallel.
+own block (:func:`draftsmith.heads.dflash.block_mask`), all blocks in parallel.
 
 Slot j's label is the token at p + j (DFlash, slots 1..B-1) or p + j + 1 (DSpark, slots 0..B-1),
 scored while it is inside the sequence and scored by ``loss_mask``, and only as long as every
@@ -12,7 +12,7 @@ earlier slot of its block is (a block's predictions are a chain). Each slot's lo
 
     hard_weight * CE(true token) + soft_weight * CE(the target's distribution there)
 
-through :func:`heads.chunked_loss.projected_cross_entropy` (the target's distribution predicting
+through :func:`draftsmith.heads.chunked_loss.projected_cross_entropy` (the target's distribution predicting
 position q is its LM head on its last hidden state at q - 1; over a draft vocabulary it is
 restricted to the draft rows), weighted by the DFlash paper's position decay
 ``exp(-(k - 1) / gamma)`` (k = 1 for the first predicted slot), summed. DSpark's Markov term
@@ -33,9 +33,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from heads.chunked_loss import DEFAULT_CHUNK_SIZE, DraftLoss, projected_cross_entropy
-from heads.dflash import DFlashDraft, block_mask
-from heads.draft_vocab import target_to_draft
+from draftsmith.heads.chunked_loss import DEFAULT_CHUNK_SIZE, DraftLoss, projected_cross_entropy
+from draftsmith.heads.dflash import DFlashDraft, block_mask
+from draftsmith.heads.draft_vocab import target_to_draft
 
 DEFAULT_GAMMA = 4.0  # the position decay's gamma (speculators' and DeepSpec's; SpecForge: 7)
 DEFAULT_ANCHORS = 16  # blocks per row and step

@@ -78,12 +78,12 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from heads.artifact import check_integers, load_artifact, save_artifact
-from heads.draft_vocab import build_draft_vocab as build_draft_vocab
-from heads.draft_vocab import check_vocab_maps
-from heads.draft_vocab import count_tokens as count_tokens
-from heads.target import FrozenParts, Target, attention_bias
-from heads.ttt_attention import ttt_attention
+from draftsmith.heads.artifact import check_integers, load_artifact, save_artifact
+from draftsmith.heads.draft_vocab import build_draft_vocab as build_draft_vocab
+from draftsmith.heads.draft_vocab import check_vocab_maps
+from draftsmith.heads.draft_vocab import count_tokens as count_tokens
+from draftsmith.heads.ttt_attention import ttt_attention
+from draftsmith.targets.target import FrozenParts, Target, attention_bias
 
 VERSIONS = (1, 3)
 METHOD_OF_VERSION = {1: "eagle1", 3: "eagle3"}
@@ -660,7 +660,7 @@ class EagleHead(nn.Module):
         (padding excluded from the step-0 keys), None for right-padded rows (nothing to
         exclude); documents (B, n): each anchor's document in packed rows, None for one per row.
         Step 0 attends causally; step i > 0 to the step-0 keys up to each anchor plus the
-        anchor's own entries of steps 1..i (:func:`heads.ttt_attention.ttt_attention`, kernel
+        anchor's own entries of steps 1..i (:func:`draftsmith.heads.ttt_attention.ttt_attention`, kernel
         ``attention``: sdpa or flex).
 
         ``gradient_checkpointing``: keep only the step's inputs and recompute the layer in

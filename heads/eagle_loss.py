@@ -1,8 +1,10 @@
-"""The EAGLE heads' losses, beside their module (heads/eagle.py), and the features they read.
+"""The EAGLE heads' losses, beside their module (heads/eagle.py).
+
+The features they read come from the target: :func:`draftsmith.targets.features.target_features`.
 
 Losses: the vocabulary projections (the head's logits and the target's distribution, from
 ``last_hidden`` through the frozen LM head) run ``chunk_size`` positions at a time in
-:func:`heads.chunked_loss.projected_cross_entropy`, all training-time-test steps in one call, so
+:func:`draftsmith.heads.chunked_loss.projected_cross_entropy`, all training-time-test steps in one call, so
 the extra memory is a few (chunk, vocab) float32 buffers plus one (vocab, hidden) weight gradient,
 whatever T and the number of steps.
 
@@ -20,7 +22,7 @@ Training API (what a trainer calls)::
     save_eagle(accelerator.unwrap_model(step).head, out / "artifact", target)
     head = load_eagle(out / "artifact", target)
 
-Offline mode replaces ``target_features`` by the cache in ``train/eagle_features.py``, whose
+Offline mode replaces ``target_features`` by the cache in ``train/features.py``, whose
 batches carry the same keys and tensors.
 """
 
@@ -30,57 +32,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.chunked_loss import (
+from draftsmith.heads.chunked_loss import (
     DEFAULT_CHUNK_SIZE,
     DraftLoss,
     projected_argmax,
     projected_cross_entropy,
 )
-from heads.eagle import (
+from draftsmith.heads.eagle import (
     DEFAULT_CE_WEIGHT,
     DEFAULT_NOISE,
     DEFAULT_STEP_DECAY,
     DEFAULT_TTT_STEPS,
     REDUCTIONS,
-    EagleConfig,
     EagleHead,
 )
-from heads.target import Target
-from heads.ttt_attention import documents_of, resolve_backend
+from draftsmith.heads.ttt_attention import documents_of, resolve_backend
 
 PADDINGS = ("right", "any")
-
-
-@torch.no_grad()
-def target_features(
-    target: Target,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    config: EagleConfig,
-    position_ids: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """Online mode: run the frozen target on a batch and take what the loss needs.
-
-    -> {"features": (B, S, F), "last_hidden": (B, S, h)}: F = h (EAGLE-1, index L) or 3h (EAGLE-3,
-    the aux indices concatenated in ascending order); last_hidden is index L (the target's
-    distribution is lm_head(last_hidden)). The LM head itself is not run here.
-
-    Only the hidden states the head reads are kept (:meth:`heads.target.Target.hidden_states`).
-    Packed rows give ``position_ids`` (restarting at 0 for each document) and no attention mask:
-    the target then attends within each document.
-    """
-    wanted = [i for i in config.aux_layer_ids if i < target.num_layers]
-    if position_ids is not None:  # packed: transformers tells the documents apart without it
-        attention_mask = None
-    captured, last = target.hidden_states(input_ids, wanted, attention_mask,
-                                          position_ids=position_ids)
-    if config.version == 1:
-        return {"features": last, "last_hidden": last}
-    captured[target.num_layers] = last
-    return {
-        "features": torch.cat([captured[i] for i in config.aux_layer_ids], dim=-1),
-        "last_hidden": last,
-    }
 
 
 def _with_noise(features: torch.Tensor, amount: float, generator) -> torch.Tensor:
@@ -258,7 +226,7 @@ def eagle3_loss(
     loss equals the rows' loss unpacked. ``padding``: ``right`` (padding only after each row's
     tokens, what every collate here produces: no mask needed) or ``any`` (holes anywhere, excluded
     by a mask). ``attention``: the test-time attention kernel, ``sdpa``, ``flex`` or ``auto``
-    (flex on a GPU; :mod:`heads.ttt_attention`).
+    (flex on a GPU; :mod:`draftsmith.heads.ttt_attention`).
     """
     if head.version != 3:
         raise ValueError("eagle3_loss needs an EAGLE-3 head; use eagle1_loss")

@@ -39,15 +39,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.artifact import check_integers, load_artifact, save_artifact
-from heads.draft_vocab import (
+from draftsmith.files.file_formats import read_json_object
+from draftsmith.heads.artifact import check_integers, load_artifact, save_artifact
+from draftsmith.heads.draft_vocab import (
     check_vocab_maps,
     draft_token_ids,
     target_to_draft,
 )
-from heads.file_formats import read_json_object
-from heads.medusa_tree import RankPath, check_tree, default_chain
-from heads.target import Target
+from draftsmith.heads.medusa_tree import RankPath, check_tree, default_chain
+from draftsmith.targets.target import Target
 
 METHOD = "medusa"
 
@@ -152,7 +152,7 @@ class MedusaHeads(nn.Module):
     With a draft vocabulary (``config.draft_vocab_size`` N) V is N, the logits are over draft
     ids, and the state dict adds the ``d2t`` / ``t2d`` buffers plus the heads' own projection:
     ``lm_head.weight`` (N, H), shared, or ``lm_heads.{h}.weight`` (N, H) each. Pass ``d2t`` and
-    ``t2d`` (:func:`heads.draft_vocab.build_draft_vocab`) to build such heads; ``lm_head``, the
+    ``t2d`` (:func:`draftsmith.heads.draft_vocab.build_draft_vocab`) to build such heads; ``lm_head``, the
     target's, then initialises their rows.
     """
 
@@ -206,7 +206,7 @@ class MedusaHeads(nn.Module):
         if d2t is None or t2d is None:
             raise ValueError(
                 f"heads over a draft vocabulary of {config.draft_vocab_size} tokens need its maps: "
-                "pass d2t and t2d (heads.draft_vocab.build_draft_vocab(token_counts, n))"
+                "pass d2t and t2d (draftsmith.heads.draft_vocab.build_draft_vocab(token_counts, n))"
             )
         check_vocab_maps(d2t, t2d, config.vocab_size)
         if d2t.numel() != config.draft_vocab_size:
@@ -221,7 +221,7 @@ class MedusaHeads(nn.Module):
                     t2d: torch.Tensor | None = None) -> MedusaHeads:
         """Fresh heads for ``target``: identity blocks, projections from its LM head.
 
-        ``d2t`` / ``t2d`` (:func:`heads.draft_vocab.build_draft_vocab`): heads over that draft
+        ``d2t`` / ``t2d`` (:func:`draftsmith.heads.draft_vocab.build_draft_vocab`): heads over that draft
         vocabulary, their projection the target's rows of its tokens. ``dtype`` defaults to
         float32 for a half-precision target (master weights for training; accelerate autocasts
         the matmuls) and to the target's dtype otherwise.
@@ -405,7 +405,7 @@ def check_adapted_target(directory: str | os.PathLike, config: dict, target: Tar
             f"together with LoRA adapters on the target, merged into the adapted target "
             f"{expected}, and are verified against that model (decoding is then exact with "
             f"respect to the adapted model, not the original). Load it with that target "
-            f"(python -m eval.bench --target {expected} ...), not with {target.name!r}"
+            f"(python -m draftsmith.eval.bench --target {expected} ...), not with {target.name!r}"
         )
 
 
@@ -417,7 +417,7 @@ def load_medusa(directory: str | os.PathLike, target: Target | None = None,
 
     Heads land on ``device`` / in ``dtype`` (default: the target's, else CPU and stored dtype).
     ``allow_other_weights``: accept a target of the same shapes whose weights differ from the
-    ones the heads were trained on (see :meth:`heads.target.Target.check_identity`).
+    ones the heads were trained on (see :meth:`draftsmith.targets.target.Target.check_identity`).
     """
     config, state = load_artifact(directory, METHOD)
     if target is not None:

@@ -11,7 +11,7 @@ the teacher is renormalised over the draft tokens (soft). Each head's loss is we
 ``loss_decay`` ** k. Medusa-2 (``adapted``: a LoRA-adapted copy of the target, trained with the
 heads) adds ``kl_weight`` x KL(original || adapted) and ``lm_loss_weight`` x the adapted model's
 own next-token cross-entropy. The projections run through
-:func:`heads.chunked_loss.projected_cross_entropy`, so no (tokens, vocabulary) logits are held
+:func:`draftsmith.heads.chunked_loss.projected_cross_entropy`, so no (tokens, vocabulary) logits are held
 for the backward pass.
 """
 
@@ -22,9 +22,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from heads.chunked_loss import DEFAULT_CHUNK_SIZE, next_token_mask, projected_cross_entropy
-from heads.medusa import MedusaHeads
-from heads.target import Target
+from draftsmith.heads.chunked_loss import (
+    DEFAULT_CHUNK_SIZE,
+    next_token_mask,
+    projected_cross_entropy,
+)
+from draftsmith.heads.medusa import MedusaHeads
+from draftsmith.targets.target import Target
 
 DEFAULT_LOSS_DECAY = 0.8  # head k's loss is weighted decay**k (the Medusa paper's lambda_k)
 TRAIN_TOPK = 5  # ranks counted on training batches: enough for the logged top-1 and top-5

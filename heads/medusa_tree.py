@@ -14,8 +14,8 @@ nodes are added best first, a node only after its parent and its next-likelier s
 
 Its size is ``tree_nodes``: a node count (:func:`choose_tree`, which the evaluator also uses to
 rebuild a stored tree for another size), or ``"auto"``, the count that maximises expected tau per
-cost measured on this machine, which is the tree sizing's job (:mod:`eval.tree_auto`, with its
-timings in :mod:`eval.tree_cost`): the Medusa trainer and ``--tree auto`` both size trees there.
+cost measured on this machine, which is the tree sizing's job (:mod:`draftsmith.eval.tree_auto`, with its
+timings in :mod:`draftsmith.eval.tree_cost`): the Medusa trainer and ``--tree auto`` both size trees there.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def rank_table(rank_accuracies) -> list[list[float]]:
     if bool((sums > 1 + 1e-6).any()):
         raise ValueError(
             f"each head's rank accuracies must sum to at most 1 (got {sums.tolist()}): these look "
-            "cumulative (top-k); pass per-rank ones, heads.medusa.rank_accuracy(hits, totals)"
+            "cumulative (top-k); pass per-rank ones, draftsmith.heads.medusa.rank_accuracy(hits, totals)"
         )
     return table.tolist()
 
@@ -160,11 +160,11 @@ def choose_tree(rank_accuracies, num_heads: int, tree_nodes: int, *,
     with a note in tree_info. ``max_depth`` / ``max_topk`` cap the tree's depth and ranks.
     ``tree_info`` records how the tree was chosen (``rank_accuracies``, ``tree_nodes``,
     ``expected_tau``); saved with the artifact, it lets the evaluator rebuild the tree for
-    another size. A size by measured cost ("auto") is :func:`eval.tree_auto.size_medusa_tree`.
+    another size. A size by measured cost ("auto") is :func:`draftsmith.eval.tree_auto.size_medusa_tree`.
     """
     if tree_nodes == AUTO:
         raise ValueError("tree_nodes 'auto' is sized by this machine's measured costs: "
-                         "eval.tree_auto.size_medusa_tree, or give a node count")
+                         "draftsmith.eval.tree_auto.size_medusa_tree, or give a node count")
     check_tree_nodes(tree_nodes, allow_auto=False)
     for name, value in (("max_depth", max_depth), ("max_topk", max_topk)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)

@@ -1,15 +1,15 @@
 """The heads floor's table: every draft method, the module that defines it and its artifact.
 
 Each floor has one table with one row per method (a column through the house): this one,
-``layouts.table.LAYOUTS`` (its serving layouts), ``eval.methods.BENCH_METHODS`` (its proposer
-and benchmark prefix) and ``train.recipes.TRAINERS`` (its trainer, config class and memory
+``draftsmith.layouts.table.LAYOUTS`` (its serving layouts), ``draftsmith.eval.methods.BENCH_METHODS`` (its proposer
+and benchmark prefix) and ``draftsmith.train.recipes.TRAINERS`` (its trainer, config class and memory
 parts). A new method is new files plus one row in each; ``tests/test_house.py`` fails when a
 floor lacks a row and shows a toy method working through all four with no other edit.
 
 A row here names the ``method`` values its artifacts' config.json carries (one column may write
 several: EAGLE-1 and EAGLE-3), the module that holds its nn.Module and loss, and how an artifact
 is loaded onto a target (None for a draft LM, a plain Hugging Face directory that
-``distill/draft.py`` loads).
+``heads/distill.py`` loads).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from heads.artifact import read_artifact_config
-from heads.dflash import load_dflash
-from heads.eagle import load_eagle
-from heads.medusa import load_medusa
+from draftsmith.heads.artifact import read_artifact_config
+from draftsmith.heads.dflash import load_dflash
+from draftsmith.heads.eagle import load_eagle
+from draftsmith.heads.medusa import load_medusa
 
 
 @dataclass(frozen=True)
@@ -37,18 +37,18 @@ class HeadMethod:
 
 HEAD_METHODS: dict[str, HeadMethod] = {
     "eagle": HeadMethod(
-        "eagle", ("eagle1", "eagle3"), "heads.eagle", load_eagle,
+        "eagle", ("eagle1", "eagle3"), "draftsmith.heads.eagle", load_eagle,
         "one decoder layer autoregressing in the target's feature space (EAGLE-1: the last "
         "layer's feature; EAGLE-3: fused low/mid/high features, a draft vocabulary)"),
     "medusa": HeadMethod(
-        "medusa", ("medusa",), "heads.medusa", load_medusa,
+        "medusa", ("medusa",), "draftsmith.heads.medusa", load_medusa,
         "K heads on the target's last hidden state, head k guessing token t+1+k"),
     "dflash": HeadMethod(
-        "dflash", ("dflash", "dspark"), "heads.dflash", load_dflash,
+        "dflash", ("dflash", "dspark"), "draftsmith.heads.dflash", load_dflash,
         "a block draft: a few decoder layers over the target's hidden states proposing a whole "
         "block in one forward (DFlash; DSpark adds a Markov and a confidence head)"),
     "draft": HeadMethod(
-        "draft", ("draft",), "distill.draft", None,
+        "draft", ("draft",), "draftsmith.heads.distill", None,
         "a small causal LM with the target's tokenizer, distilled from it (a Hugging Face "
         "directory)"),
 }

@@ -9,7 +9,7 @@ torchaudio, which speculators lists but never imports on the loading path, are l
 does not swap the CPU torch wheel for a CUDA build.
 
 :func:`run_speculators_check` loads an EAGLE-3 speculators export with
-``speculators.SpeculatorModel.from_pretrained`` (:mod:`layouts.speculators_probe` runs inside the
+``speculators.SpeculatorModel.from_pretrained`` (:mod:`draftsmith.layouts.speculators_probe` runs inside the
 venv) with the verifier served from a temporary, offline Hugging Face cache built from the target's
 local directory, and reports missing, unexpected, uninitialised and mismatched weights and the
 draft logits speculators computes.
@@ -28,15 +28,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from heads.command_line import program
-from heads.output_dir import remove_dir, stage_dir
-from heads.target import cache_root
+from draftsmith.files.command_line import program
+from draftsmith.files.output_dir import remove_dir, stage_dir
+from draftsmith.targets.target import cache_root
 
 SPECULATORS_VERSION = "0.9.0"
 TORCH_VERSION = "2.13.0"
 _LEFT_OUT = ("torch", "torchvision", "torchaudio")
 _COMPLETE = "draftsmith-venv-complete"
-_VENV_KIND = "consumer-venv"  # the heads.output_dir marker kind of the venv
+_VENV_KIND = "consumer-venv"  # the draftsmith.files.output_dir marker kind of the venv
 
 
 def speculators_venv() -> Path:
@@ -147,7 +147,7 @@ def run_speculators_check(python: str | os.PathLike, export_dir: str | os.PathLi
 def main(argv: list[str] | None = None) -> int:
     """``draftsmith consumer-check install``: build the pinned speculators venv."""
     argv = sys.argv[1:] if argv is None else argv
-    usage = (f"usage: {program('python -m layouts.consumer_check')} install\n\nbuild the pinned "
+    usage = (f"usage: {program('python -m draftsmith.layouts.consumer_check')} install\n\nbuild the pinned "
              f"venv of speculators (CPU torch, about 1 GB) that an export's --check loads in")
     if argv in (["-h"], ["--help"]):
         print(usage)

@@ -32,11 +32,10 @@ from pathlib import Path
 
 import torch
 
-from heads.artifact import load_artifact, read_artifact_config
-from heads.dflash import METHODS, DFlashConfig, DFlashDraft, load_dflash
-from heads.output_dir import check_destination
-from heads.target import Target, dtype_name
-from layouts.files import (
+from draftsmith.files.output_dir import check_destination
+from draftsmith.heads.artifact import load_artifact, read_artifact_config
+from draftsmith.heads.dflash import METHODS, DFlashConfig, DFlashDraft, load_dflash
+from draftsmith.layouts.files import (
     ExportOptions,
     check_format,
     checked_hub_id,
@@ -47,8 +46,9 @@ from layouts.files import (
     resolve_hub_id,
     write_export,
 )
-from layouts.gguf import check_gguf_destination, check_served, write_gguf
-from layouts.verdicts import max_diff, say
+from draftsmith.layouts.gguf import check_gguf_destination, check_served, write_gguf
+from draftsmith.layouts.verdicts import max_diff, say
+from draftsmith.targets.target import Target, dtype_name
 
 ARTIFACT_METHODS = METHODS
 FORMATS = {m: ("vllm", "sglang", "speculators", "gguf") for m in METHODS}

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from heads.file_formats import read_json_object
-from heads.output_dir import write_dir
-from layouts.files import ExportOptions, check_format, write_json
-from layouts.gguf import check_served, write_gguf
-from layouts.verdicts import say
+from draftsmith.files.file_formats import read_json_object
+from draftsmith.files.output_dir import write_dir
+from draftsmith.layouts.files import ExportOptions, check_format, write_json
+from draftsmith.layouts.gguf import check_served, write_gguf
+from draftsmith.layouts.verdicts import say
 
 ARTIFACT_METHODS = ("draft",)
 FORMATS = {"draft": ("hf", "gguf")}
@@ -39,7 +39,7 @@ def export_layout(artifact_dir: str | os.PathLike, fmt: str, out_dir: str | os.P
     if info.get("draft_vocab_size"):
         raise ValueError(
             f"{artifact_dir} has a reduced vocabulary ({info['draft_vocab_size']} tokens, -inf "
-            f"logits elsewhere): only draftsmith's engine runs it (eval.bench --method "
+            f"logits elsewhere): only draftsmith's engine runs it (draftsmith.eval.bench --method "
             f"draft:{artifact_dir}); transformers, vLLM and llama.cpp need a draft over the "
             f"target's whole vocabulary: train with draft_vocab_size: none to serve it there")
     if fmt == "gguf":
@@ -79,7 +79,7 @@ def check_draft_export(artifact_dir, fmt, out_dir, target) -> bool:
     """Round trip: transformers loads the export with the artifact's logits; a GGUF is served by
     llama-server beside its target."""
     if fmt == "gguf":
-        from heads.target import load_target
+        from draftsmith.targets.target import load_target
 
         recorded = (read_json_object(Path(artifact_dir) / "config.json",
                                      fix="the draft is damaged").get("draftsmith") or {})

@@ -47,7 +47,7 @@ Aux layers are read in vLLM's convention from top-level ``eagle_aux_hidden_state
 else in SGLang's from ``eagle_config`` (plus one), else vLLM's and SGLang's default
 (2, L // 2, L - 3). A head that does not fit the target (hidden size, vocabulary, d2t range, aux
 layers beyond its depth, head_dim, rope) is refused naming the tensor or key and both values.
-Weights are read from safetensors only (:func:`layouts.files.read_safetensors`).
+Weights are read from safetensors only (:func:`draftsmith.layouts.files.read_safetensors`).
 """
 
 from __future__ import annotations
@@ -58,14 +58,12 @@ from pathlib import Path
 
 import torch
 
-from heads.artifact import load_artifact, read_artifact_config
-from heads.draft_vocab import check_vocab_maps
-from heads.eagle import EagleConfig, EagleHead, default_aux_layer_ids, load_eagle
-from heads.eagle_loss import target_features
-from heads.output_dir import check_destination
-from heads.target import Target, dtype_name
-from layouts.consumer_check import run_speculators_check, speculators_python
-from layouts.files import (
+from draftsmith.files.output_dir import check_destination
+from draftsmith.heads.artifact import load_artifact, read_artifact_config
+from draftsmith.heads.draft_vocab import check_vocab_maps
+from draftsmith.heads.eagle import EagleConfig, EagleHead, default_aux_layer_ids, load_eagle
+from draftsmith.layouts.consumer_check import run_speculators_check, speculators_python
+from draftsmith.layouts.files import (
     ExportOptions,
     check_format,
     checked_hub_id,
@@ -76,8 +74,10 @@ from layouts.files import (
     resolve_hub_id,
     write_export,
 )
-from layouts.gguf import check_gguf_destination, check_served, write_gguf
-from layouts.verdicts import max_diff, say
+from draftsmith.layouts.gguf import check_gguf_destination, check_served, write_gguf
+from draftsmith.layouts.verdicts import max_diff, say
+from draftsmith.targets.features import target_features
+from draftsmith.targets.target import Target, dtype_name
 
 ARTIFACT_METHODS = ("eagle1", "eagle3")
 # what cannot be run here, per format
@@ -554,7 +554,7 @@ def load_eagle_head(directory: str | os.PathLike, target: Target,
                     allow_other_weights: bool = False) -> EagleHead:
     """An EagleHead on ``target`` from a draftsmith artifact, an export or a published head.
 
-    ``dtype`` defaults to the target's (as :func:`heads.eagle.load_eagle`);
+    ``dtype`` defaults to the target's (as :func:`draftsmith.heads.eagle.load_eagle`);
     ``allow_other_weights`` accepts a target of the recorded shapes with other weights.
     """
     directory = Path(directory)

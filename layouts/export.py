@@ -6,8 +6,8 @@
     draftsmith export <artifact> --format hf --out DIR                        # distilled draft
     ... [--check] [--overwrite] [--verifier ORG/NAME] [--base-model ORG/NAME] [--target T]
 
-The artifact's ``config.json`` says which method it holds (``heads.methods``); that method's row
-of ``layouts.table.LAYOUTS`` writes and checks its formats. This module alone dispatches over all
+The artifact's ``config.json`` says which method it holds (``draftsmith.heads.methods``); that method's row
+of ``draftsmith.layouts.table.LAYOUTS`` writes and checks its formats. This module alone dispatches over all
 of them; ``draftsmith export`` (draftsmith/cli.py) runs it.
 """
 
@@ -19,15 +19,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from heads.command_line import USER_ERRORS, program, run_command
-from heads.methods import artifact_method
-from heads.output_dir import named_paths, refuse_inputs
-from heads.target import Target
-from layouts.files import ExportOptions, check_format
-from layouts.gguf import DEFAULT_GGUF_TYPE
-from layouts.llama_cpp import GGUF_TYPES, stop_on_signals
-from layouts.table import all_formats, layouts_of, refused_formats
-from layouts.verdicts import say
+from draftsmith.files.command_line import USER_ERRORS, program, run_command
+from draftsmith.files.output_dir import named_paths, refuse_inputs
+from draftsmith.heads.methods import artifact_method
+from draftsmith.layouts.files import ExportOptions, check_format
+from draftsmith.layouts.gguf import DEFAULT_GGUF_TYPE
+from draftsmith.layouts.llama_cpp import GGUF_TYPES, stop_on_signals
+from draftsmith.layouts.table import all_formats, layouts_of, refused_formats
+from draftsmith.layouts.verdicts import say
+from draftsmith.targets.target import Target
 
 
 def export(
@@ -73,7 +73,7 @@ def check_export(artifact_dir: str | os.PathLike, fmt: str, out_dir: str | os.Pa
 def build_parser() -> argparse.ArgumentParser:
     formats = all_formats()
     parser = argparse.ArgumentParser(
-        prog=program("python -m layouts.export"),
+        prog=program("python -m draftsmith.layouts.export"),
         description="Export a draftsmith artifact into a serving layout. Formats per method: "
         + "; ".join(f"{m}: {', '.join(f)}" for m, f in formats.items()),
     )
@@ -112,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The command; a user's mistake is one line on stderr and exit status 2. A signal
     (SIGTERM, Ctrl-C, SIGHUP) stops the converter and removes the partial files: exit status 128
     + its number."""
-    prog = "python -m layouts.export"
+    prog = "python -m draftsmith.layouts.export"
     with stop_on_signals(prog):
         return run_command(lambda: _run(build_parser().parse_args(argv)), prog)
 

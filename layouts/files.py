@@ -2,7 +2,7 @@
 for, the export directory writer, and reading a head directory's config and weights.
 
 An export directory is written whole or not at all by :func:`write_export`
-(:func:`heads.output_dir.write_dir`: a temporary sibling renamed into place, marked ``export``,
+(:func:`draftsmith.files.output_dir.write_dir`: a temporary sibling renamed into place, marked ``export``,
 files 0644, the artifact it came from never replaced).
 """
 
@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from heads.file_formats import load_safetensors, read_json_object
-from heads.output_dir import write_dir
-from heads.target import Target, is_hub_id, load_target, resolve_target, target_hub_id
+from draftsmith.files.file_formats import load_safetensors, read_json_object
+from draftsmith.files.output_dir import write_dir
+from draftsmith.targets.target import Target, is_hub_id, load_target, resolve_target, target_hub_id
 
 _PICKLES = ("pytorch_model.bin", "model.pt", "pytorch_model.pt")
 

@@ -28,8 +28,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from heads.output_dir import check_file_destination
-from layouts.llama_cpp import (
+from draftsmith.files.output_dir import check_file_destination
+from draftsmith.layouts.llama_cpp import (
     WRITER,
     WRITER_KEY,
     convert_to_gguf,
@@ -139,8 +139,8 @@ def check_served(draft_gguf: str | os.PathLike, target, spec_type: str,
                  new_tokens: int = 32) -> bool:
     """The consumer's own check: llama-server loads the draft beside the target (its GGUF, f32
     for a Hugging Face directory) and decodes a prompt greedily exactly as without it."""
-    from layouts.llama_cpp import LlamaServer, find_llama_server, gguf_for_target
-    from layouts.verdicts import say
+    from draftsmith.layouts.llama_cpp import LlamaServer, find_llama_server, gguf_for_target
+    from draftsmith.layouts.verdicts import say
 
     try:
         server = find_llama_server((spec_type,))

@@ -1,10 +1,10 @@
 """llama.cpp, the engine the GGUF layouts are served by: found on this machine, or built once from a
 pinned source that comes through the package registry.
 
-    python -m layouts.llama_cpp build     # ~/.cache/draftsmith/llama.cpp/<commit>/ (make llama-cpp;
+    python -m draftsmith.layouts.llama_cpp build     # ~/.cache/draftsmith/llama.cpp/<commit>/ (make llama-cpp;
                                           # $DRAFTSMITH_LLAMA_CPP names another directory)
-    python -m layouts.llama_cpp where     # the llama-server used, its version and spec types
-    python -m layouts.llama_cpp target-gguf smollm2-135m   # the GGUF llama-server serves it from
+    python -m draftsmith.layouts.llama_cpp where     # the llama-server used, its version and spec types
+    python -m draftsmith.layouts.llama_cpp target-gguf smollm2-135m   # the GGUF llama-server serves it from
 
 The source is llama.cpp at commit :data:`COMMIT`, as the PyPI sdist of ``llama-cpp-python``
 (:data:`SDIST`) vendors it (``vendor/llama.cpp``): ``pip download`` fetches the sdist (its
@@ -35,7 +35,7 @@ cache's build; :func:`find_llama_server` checks that it offers the speculative t
 ``convert_hf_to_gguf.py`` (:func:`convert_to_gguf`), with the tree's own ``gguf-py`` first on
 ``PYTHONPATH`` (newer than PyPI's gguf); draftsmith writes no GGUF itself, but has the converter
 add one metadata key, ``draftsmith.written_by = "draftsmith"`` (:data:`WRITER_KEY`), which is how a
-later export knows a file is its own earlier output (``layouts.gguf.written_by_draftsmith``) and
+later export knows a file is its own earlier output (``draftsmith.layouts.gguf.written_by_draftsmith``) and
 may replace it.
 
 A command that starts processes (llama-servers, the converter) stops them however it ends:
@@ -64,9 +64,11 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from heads.output_dir import _alive as process_alive
-from heads.output_dir import _host as host_name  # a leftover names the host that wrote it
-from heads.target import cache_root
+from draftsmith.files.output_dir import _alive as process_alive
+from draftsmith.files.output_dir import (
+    _host as host_name,  # a leftover names the host that wrote it
+)
+from draftsmith.targets.target import cache_root
 
 COMMIT = "0c1e570"  # llama.cpp, 2026-10-01: draft-eagle3, draft-dflash, draft-dspark, n-gram types
 SDIST = ("llama-cpp-python", "0.3.36")
@@ -82,7 +84,7 @@ X86_ISA = (("GGML_AVX", ("avx",)), ("GGML_AVX2", ("avx2",)), ("GGML_FMA", ("fma"
            ("GGML_AVX512_VBMI", ("avx512vbmi",)), ("GGML_AVX512_VNNI", ("avx512_vnni",)),
            ("GGML_AVX512_BF16", ("avx512_bf16",)))
 NEVER = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")  # SIGILL under hypervisors (above)
-BUILD_COMMAND = "make llama-cpp"  # what a user runs to build it (python -m layouts.llama_cpp build)
+BUILD_COMMAND = "make llama-cpp"  # what a user runs to build it (python -m draftsmith.layouts.llama_cpp build)
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")  # the converter's --outtype values a head may take
 WRITER_KEY, WRITER = "draftsmith.written_by", "draftsmith"  # the GGUF metadata of our conversions
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -209,7 +211,7 @@ def find_llama_server(required: tuple[str, ...] | list[str] = ()) -> Path:
     if not candidates:
         raise FileNotFoundError(
             f"no llama-server: set LLAMA_SERVER, put llama-server on PATH, or build llama.cpp "
-            f"{COMMIT} once with `{BUILD_COMMAND}` (python -m layouts.llama_cpp build, about "
+            f"{COMMIT} once with `{BUILD_COMMAND}` (python -m draftsmith.layouts.llama_cpp build, about "
             "5 minutes on 2 cores, then a smoke test)")
     where, server = candidates[0]
     if not server.is_file():
@@ -328,7 +330,7 @@ def smoke_test(server: str | os.PathLike, *, tokens: int = 4, timeout: float = 1
     """Load the embedded target's GGUF in ``server`` and decode ``tokens`` tokens greedily;
     -> ``{"seconds", "tokens"}``. A server that cannot is a ValueError saying how it failed
     (the signal's name: SIGILL is the AMX trap the portable build avoids) and what to try."""
-    from heads.target import embedded_gguf_path
+    from draftsmith.targets.target import embedded_gguf_path
 
     model = embedded_gguf_path("smollm2-135m")
     started = time.monotonic()
@@ -442,7 +444,7 @@ def converter() -> tuple[list[str], dict[str, str]]:
     if not script.is_file():
         raise FileNotFoundError(
             f"llama.cpp's converter ({script}) is not here: `{BUILD_COMMAND}` fetches the pinned "
-            "source (python -m layouts.llama_cpp build)")
+            "source (python -m draftsmith.layouts.llama_cpp build)")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(source_dir() / "gguf-py"), *filter(None, [env.get("PYTHONPATH")])])
@@ -678,7 +680,7 @@ def gguf_for_target(spec: str | os.PathLike, outtype: str | None = None) -> tupl
     An embedded name's own GGUF file and a ``.gguf`` are used as they are; a Hugging Face
     directory (or, with ``outtype``, any target's cached directory) is converted once by
     llama.cpp's converter into ``<cache>/gguf/`` (f32 unless ``outtype`` says otherwise)."""
-    from heads.target import EMBEDDED_TARGETS, embedded_gguf_path, resolve_target
+    from draftsmith.targets.target import EMBEDDED_TARGETS, embedded_gguf_path, resolve_target
 
     text = str(spec)
     if outtype is None and text in EMBEDDED_TARGETS:
@@ -701,7 +703,7 @@ def gguf_for_target(spec: str | os.PathLike, outtype: str | None = None) -> tupl
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog=program("python -m layouts.llama_cpp"),
+    parser = argparse.ArgumentParser(prog=program("python -m draftsmith.layouts.llama_cpp"),
                                      description="llama.cpp for draftsmith's GGUF layouts")
     sub = parser.add_subparsers(dest="command", required=True)
     make = sub.add_parser("build", help=f"build llama-server {COMMIT} into {install_dir()}")
@@ -727,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from heads.command_line import program, run_command
+    from draftsmith.files.command_line import program, run_command
 
-    with stop_on_signals("python -m layouts.llama_cpp"):  # a build's cmake/ninja ended too
-        sys.exit(run_command(main, "python -m layouts.llama_cpp"))
+    with stop_on_signals("python -m draftsmith.layouts.llama_cpp"):  # a build's cmake/ninja ended too
+        sys.exit(run_command(main, "python -m draftsmith.layouts.llama_cpp"))

@@ -33,14 +33,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from heads.artifact import read_artifact_config
-from heads.draft_vocab import maps_from_token_ids
-from heads.file_formats import load_safetensors, read_json_object
-from heads.medusa import METHOD, MedusaArtifact, MedusaConfig, MedusaHeads, load_medusa
-from heads.medusa_tree import RankPath, check_tree, default_chain
-from heads.output_dir import check_destination
-from heads.target import Target, load_target
-from layouts.files import (
+from draftsmith.files.file_formats import load_safetensors, read_json_object
+from draftsmith.files.output_dir import check_destination
+from draftsmith.heads.artifact import read_artifact_config
+from draftsmith.heads.draft_vocab import maps_from_token_ids
+from draftsmith.heads.medusa import METHOD, MedusaArtifact, MedusaConfig, MedusaHeads, load_medusa
+from draftsmith.heads.medusa_tree import RankPath, check_tree, default_chain
+from draftsmith.layouts.files import (
     ExportOptions,
     check_format,
     find_target,
@@ -49,7 +48,8 @@ from layouts.files import (
     resolve_hub_id,
     write_export,
 )
-from layouts.verdicts import max_diff, say
+from draftsmith.layouts.verdicts import max_diff, say
+from draftsmith.targets.target import Target, load_target
 
 ARTIFACT_METHODS = (METHOD,)
 FORMATS = {METHOD: ("trtllm", "fasterdecoding", "vllm-0.32")}

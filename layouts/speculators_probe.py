@@ -1,4 +1,4 @@
-"""Run inside the speculators venv by draftsmith consumer-check (layouts.consumer_check): load an export with speculators' API.
+"""Run inside the speculators venv by draftsmith consumer-check (draftsmith.layouts.consumer_check): load an export with speculators' API.
 
     python speculators_probe.py EXPORT_DIR INPUTS.safetensors OUT_DIR
 

@@ -1,6 +1,6 @@
 """The layouts floor's table: every method's serving layouts, their writer and their check.
 
-One row per method (the column names of ``heads.methods.HEAD_METHODS``), each from the method's
+One row per method (the column names of ``draftsmith.heads.methods.HEAD_METHODS``), each from the method's
 own module here (layouts/eagle.py, layouts/medusa.py, layouts/dflash.py, layouts/draft.py), which keeps its writers
 and its readers side by side:
 
@@ -18,14 +18,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from layouts import dflash, draft, eagle, medusa
+from draftsmith.layouts import dflash, draft, eagle, medusa
 
 
 @dataclass(frozen=True)
 class MethodLayouts:
     """One method on the layouts floor."""
 
-    method: str  # the column's name (heads.methods.HEAD_METHODS)
+    method: str  # the column's name (draftsmith.heads.methods.HEAD_METHODS)
     formats: dict[str, tuple[str, ...]]
     refused: dict[tuple[str, str], str]
     export: Callable

@@ -21,8 +21,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import yaml
 
-from heads.command_line import run_command
-from heads.output_dir import write_atomic
+from draftsmith.files.command_line import run_command
+from draftsmith.files.output_dir import write_atomic
 
 SETTINGS = ("data", "eval_prompts", "eval_num_prompts", "eval_max_new_tokens", "eval_temperature",
             "tree_depth", "tree_topk", "tree_nodes", "learning_rate", "ttt_steps",

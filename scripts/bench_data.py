@@ -3,7 +3,7 @@
 Each run prints one JSON line (and appends it to --report). The figures in the README came from::
 
     python scripts/bench_data.py regen --backend hf --prompts 16 --batch-size 8
-    python -m transformers.cli.transformers serve "$(python -c 'from heads.target import \
+    python -m transformers.cli.transformers serve "$(python -c 'from draftsmith.targets.target import \
         resolve_target; print(resolve_target("smollm2-135m"))')" --host 127.0.0.1 --port 8123 \
         --device cpu --dtype float32 [--continuous-batching] &
     python scripts/bench_data.py regen --backend openai --url http://127.0.0.1:8123/v1 \
@@ -33,7 +33,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch
 
-from train.accelerator import close_process_group
+from draftsmith.train.accelerator import close_process_group
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K = str(REPO / "data" / "train" / "gsm8k_train.jsonl")
@@ -74,9 +74,9 @@ def emit(record: dict, report: str | None) -> None:
 def regen(args) -> None:
     from transformers import AutoTokenizer
 
-    from heads.target import load_target, resolve_target
-    from train.regenerate import regenerate
-    from train.regenerate_backends import HFBackend, OpenAIBackend
+    from draftsmith.targets.target import load_target, resolve_target
+    from draftsmith.train.regenerate import regenerate
+    from draftsmith.train.regenerate_backends import HFBackend, OpenAIBackend
 
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_target("smollm2-135m")))
@@ -105,10 +105,10 @@ def regen(args) -> None:
 def write(args) -> None:
     import torch.distributed as dist
 
-    from heads.eagle import EagleConfig
-    from heads.target import load_target
-    from train.eagle_features import write_feature_cache
-    from train.rows import load_sft_dataset
+    from draftsmith.heads.eagle import EagleConfig
+    from draftsmith.targets.target import load_target
+    from draftsmith.train.features import write_feature_cache
+    from draftsmith.train.rows import load_sft_dataset
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     torch.set_num_threads(args.threads)
@@ -155,9 +155,9 @@ def read(args) -> None:
 
     from torch.utils.data import DataLoader
 
-    from heads.eagle import EagleConfig
-    from heads.target import load_target_parts
-    from train.eagle_features import FeatureCache, collate_features
+    from draftsmith.heads.eagle import EagleConfig
+    from draftsmith.targets.target import load_target_parts
+    from draftsmith.train.features import FeatureCache, collate_features
 
     torch.set_num_threads(args.threads)
     target = load_target_parts("smollm2-135m")

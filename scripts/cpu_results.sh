@@ -36,8 +36,8 @@ prompts)  # 1,500 short training prompts (<= 160 chat tokens), never MT-bench: s
 import json
 import random
 
-from heads.target import load_target
-from train.data import load_prompts
+from draftsmith.targets.target import load_target
+from draftsmith.train.data import load_prompts
 
 target = load_target("smollm2-135m")
 files = {"data/train/sharegpt_first_turns.json": 700,
@@ -55,7 +55,7 @@ print(f"{len(rows)} prompts -> runs/prompts_mix.jsonl")
 EOF
   ;;
 regenerate)  # the target's own greedy answers to the first 768 prompts: 15m46s, ~150 tokens/s
-  "$PYTHON" -m train.data regenerate --target smollm2-135m --data runs/prompts_mix.jsonl \
+  "$PYTHON" -m draftsmith.train.data regenerate --target smollm2-135m --data runs/prompts_mix.jsonl \
     --out runs/selfdistill.jsonl --max-new-tokens 256 --temperature 0 --batch-size 64 \
     --max-prompts 768
   ;;
@@ -94,7 +94,7 @@ distill-fixed)  # the same recipe after the loss-weight overflow fix (an int8 su
     --on_policy_ratio 0 --learning_rate 3e-4 --warmup_steps 10 --max_steps 200 \
     --save_every 50 --log_every 5 --heldout_every 50 --heldout_max_rows 16 --eval_every 200 \
     --eval_prompts "$HELDOUT" --eval_num_prompts 2 --eval_max_new_tokens 32 --report_to none
-  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf \
+  "$PYTHON" -m draftsmith.eval.bench --target smollm2-135m --threads 2 --method hf \
     --method draft:truncate:6 --method draft:runs/distill6-fixed/artifact \
     --prompts data/eval/mt_bench_question.jsonl --num-prompts 8 --max-new-tokens 128 \
     --temperature 0 --out reports/distill_fixed_t0.json
@@ -111,7 +111,7 @@ shipped-eagle3)  # artifacts/smollm2-135m/eagle3: the recipe that led the 7-minu
     --init_layer 27 --warmup_steps 20 --max_steps 1400 --num_epochs none --save_every 200 \
     --log_every 10 --eval_every 200 --eval_num_prompts 8 --eval_max_new_tokens 64 \
     --report_to none --mixed_precision auto
-  "$PYTHON" -m heads.artifact cast runs/ship/eagle3/artifact artifacts/smollm2-135m/eagle3 \
+  "$PYTHON" -m draftsmith.heads.artifact cast runs/ship/eagle3/artifact artifacts/smollm2-135m/eagle3 \
     --dtype bf16 --overwrite
   ;;
 shipped-medusa)  # artifacts/smollm2-135m/medusa: Medusa-1, 4 heads over a 4096-token draft
@@ -123,7 +123,7 @@ shipped-medusa)  # artifacts/smollm2-135m/medusa: Medusa-1, 4 heads over a 4096-
     --soft_labels false --learning_rate 1e-3 --warmup_steps 20 --max_steps 850 --save_every 50 \
     --log_every 10 --heldout_every 250 --eval_every 250 --eval_num_prompts 8 \
     --eval_max_new_tokens 64 --report_to none
-  "$PYTHON" -m heads.artifact cast runs/ship/medusa/artifact artifacts/smollm2-135m/medusa \
+  "$PYTHON" -m draftsmith.heads.artifact cast runs/ship/medusa/artifact artifacts/smollm2-135m/medusa \
     --dtype bf16 --overwrite
   ;;
 shipped-distill)  # artifacts/smollm2-135m/draft: the target's first 2 layers, distilled (JSD,
@@ -137,10 +137,10 @@ shipped-distill)  # artifacts/smollm2-135m/draft: the target's first 2 layers, d
     --max_steps 280 --save_every 40 --log_every 10 --heldout_every 0 --eval_every 70 \
     --eval_num_prompts 4 --eval_max_new_tokens 64 --draft_depth 5 --draft_branching "" \
     --report_to none
-  "$PYTHON" -m heads.artifact cast runs/ship/distill/artifact artifacts/smollm2-135m/draft \
+  "$PYTHON" -m draftsmith.heads.artifact cast runs/ship/distill/artifact artifacts/smollm2-135m/draft \
     --dtype bf16 --overwrite
   # the drafting shipped-distill-tune chose (the held-out curve above drafts chains of 5)
-  "$PYTHON" -m eval.draft propose artifacts/smollm2-135m/draft --draft-branching 3
+  "$PYTHON" -m draftsmith.eval.draft propose artifacts/smollm2-135m/draft --draft-branching 3
   ;;
 shipped-distill-tune)  # how the shipped draft proposes, on 8 held-out Vicuna-bench prompts, each
   # setting in a run of its own beside hf (reports/distill_tune_*.json): chains (most tokens,
@@ -153,7 +153,7 @@ shipped-distill-tune)  # how the shipped draft proposes, on 8 held-out Vicuna-be
     name=$(echo $setting | sed -e 's/--draft-//g' -e 's/min-confidence /conf/' -e 's/depth /depth/' \
            -e 's/branching /branching/' -e 's/,/-/g' -e 's/ /_/g')
     # shellcheck disable=SC2086
-    "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf \
+    "$PYTHON" -m draftsmith.eval.bench --target smollm2-135m --threads 2 --method hf \
       --method draft:artifacts/smollm2-135m/draft --draft-dtype bf16 $setting \
       --prompts "$HELDOUT" --num-prompts 8 --max-new-tokens 128 --temperature 0 \
       --out "reports/distill_tune_$name.json"
@@ -162,26 +162,26 @@ shipped-distill-tune)  # how the shipped draft proposes, on 8 held-out Vicuna-be
 shipped-distill-bench)  # the draft of shipped-distill on the 80 MT-bench first turns, 128 tokens,
   # greedy, beside plain generate, with the tuning's 3 children at depth 1; then its held-out
   # acceptance against training minutes
-  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf \
+  "$PYTHON" -m draftsmith.eval.bench --target smollm2-135m --threads 2 --method hf \
     --method draft:artifacts/smollm2-135m/draft --draft-dtype bf16 --draft-branching 3 \
     --prompts data/eval/mt_bench_question.jsonl --num-prompts 80 \
     --max-new-tokens 128 --temperature 0 --out reports/shipped_distill_t0.json
   "$PYTHON" scripts/acceptance_curve.py runs/ship/distill --out reports/shipped_distill_curve.json
   # sampling at temperature 1, the first 20 prompts (no greedy check at T > 0)
-  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf \
+  "$PYTHON" -m draftsmith.eval.bench --target smollm2-135m --threads 2 --method hf \
     --method draft:artifacts/smollm2-135m/draft --draft-dtype bf16 --draft-branching 3 \
     --prompts data/eval/mt_bench_question.jsonl --num-prompts 20 --max-new-tokens 128 \
     --temperature 1 --seed 0 --out reports/shipped_distill_t1.json
   ;;
 shipped-bench)  # the shipped heads on the 80 MT-bench first turns, 128 tokens, trees by --tree auto
   # (acceptance measured on 8 Vicuna-bench prompts, kept in each artifact's tree_calibration.json)
-  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf --method hf-pld \
+  "$PYTHON" -m draftsmith.eval.bench --target smollm2-135m --threads 2 --method hf --method hf-pld \
     --method eagle:artifacts/smollm2-135m/eagle3 --method medusa:artifacts/smollm2-135m/medusa \
     --tree auto --draft-dtype bf16 --prompts data/eval/mt_bench_question.jsonl --num-prompts 80 \
     --max-new-tokens 128 --temperature 0 --out reports/shipped_t0.json
   # sampling at temperature 1, the first 20 prompts (no greedy check: exactness at T > 0 is the
   # statistical tests' job)
-  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf \
+  "$PYTHON" -m draftsmith.eval.bench --target smollm2-135m --threads 2 --method hf \
     --method eagle:artifacts/smollm2-135m/eagle3 --method medusa:artifacts/smollm2-135m/medusa \
     --tree auto --draft-dtype bf16 --prompts data/eval/mt_bench_question.jsonl --num-prompts 20 \
     --max-new-tokens 128 --temperature 1 --seed 0 --out reports/shipped_t1.json
@@ -189,13 +189,13 @@ shipped-bench)  # the shipped heads on the 80 MT-bench first turns, 128 tokens, 
 shipped-eagle3-bench)  # the EAGLE-3 head of shipped-eagle3 on the 80 MT-bench first turns, 128
   # tokens, greedy, its tree by --tree auto, beside plain generate and prompt lookup; then its
   # held-out acceptance against training minutes, from the run's own measurements
-  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf --method hf-pld \
+  "$PYTHON" -m draftsmith.eval.bench --target smollm2-135m --threads 2 --method hf --method hf-pld \
     --method eagle:artifacts/smollm2-135m/eagle3 --tree auto --draft-dtype bf16 \
     --prompts data/eval/mt_bench_question.jsonl --num-prompts 80 --max-new-tokens 128 \
     --temperature 0 --out reports/shipped_eagle3_t0.json
   "$PYTHON" scripts/acceptance_curve.py runs/ship/eagle3 --out reports/shipped_eagle3_curve.json
   # the same head with the config's 32-node tree: the tau it reaches when speed is not the aim
-  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf \
+  "$PYTHON" -m draftsmith.eval.bench --target smollm2-135m --threads 2 --method hf \
     --method eagle:artifacts/smollm2-135m/eagle3 --tree fixed --tree-depth 5 --tree-topk 8 \
     --tree-nodes 32 --draft-dtype bf16 --prompts data/eval/mt_bench_question.jsonl \
     --num-prompts 80 --max-new-tokens 128 --temperature 0 --out reports/shipped_eagle3_tree32_t0.json
@@ -203,14 +203,14 @@ shipped-eagle3-bench)  # the EAGLE-3 head of shipped-eagle3 on the 80 MT-bench f
 shipped-eagle3-tree10)  # the shipped EAGLE-3 head with the tree shipped-eagle3-trees found
   # between speed and tau (depth 5, 8 children, 10 nodes: held-out tau 1.95 at 1.36x `hf`), on the
   # 80 MT-bench first turns, 128 tokens, greedy, beside plain generate and prompt lookup: 35 min
-  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf --method hf-pld \
+  "$PYTHON" -m draftsmith.eval.bench --target smollm2-135m --threads 2 --method hf --method hf-pld \
     --method eagle:artifacts/smollm2-135m/eagle3 --tree fixed --tree-depth 5 --tree-topk 8 \
     --tree-nodes 10 --draft-dtype bf16 --prompts data/eval/mt_bench_question.jsonl \
     --num-prompts 80 --max-new-tokens 128 --temperature 0 --out reports/shipped_eagle3_tree10_t0.json
   ;;
 shipped-heads-t1)  # the shipped EAGLE-3 and Medusa-1 heads sampling at temperature 1: the first
   # 20 MT-bench first turns, 128 tokens, trees by --tree auto (no greedy check at T > 0)
-  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf \
+  "$PYTHON" -m draftsmith.eval.bench --target smollm2-135m --threads 2 --method hf \
     --method eagle:artifacts/smollm2-135m/eagle3 --method medusa:artifacts/smollm2-135m/medusa \
     --tree auto --draft-dtype bf16 --prompts data/eval/mt_bench_question.jsonl --num-prompts 20 \
     --max-new-tokens 128 --temperature 1 --seed 0 --out reports/shipped_heads_t1.json
@@ -218,7 +218,7 @@ shipped-heads-t1)  # the shipped EAGLE-3 and Medusa-1 heads sampling at temperat
 shipped-medusa-bench)  # the Medusa-1 heads of shipped-medusa on the 80 MT-bench first turns, 128
   # tokens, greedy, their tree by --tree auto, beside plain generate; then their held-out
   # acceptance against training minutes, from the run's own measurements
-  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf \
+  "$PYTHON" -m draftsmith.eval.bench --target smollm2-135m --threads 2 --method hf \
     --method medusa:artifacts/smollm2-135m/medusa --tree auto --draft-dtype bf16 \
     --prompts data/eval/mt_bench_question.jsonl --num-prompts 80 --max-new-tokens 128 \
     --temperature 0 --out reports/shipped_medusa_t0.json
@@ -226,18 +226,18 @@ shipped-medusa-bench)  # the Medusa-1 heads of shipped-medusa on the 80 MT-bench
   ;;
 bench)  # MT-bench first turns, 128 tokens; tree settings tuned on 4 Vicuna-bench prompts
   # heads, temperature 0, 80 prompts: ~40 min
-  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf --method hf-pld \
+  "$PYTHON" -m draftsmith.eval.bench --target smollm2-135m --threads 2 --method hf --method hf-pld \
     --method eagle:runs/eagle3/artifact --method medusa:runs/medusa1/artifact \
     --tree-depth 2 --tree-topk 3 --tree-nodes 4 --draft-dtype bf16 \
     --prompts data/eval/mt_bench_question.jsonl --num-prompts 80 --max-new-tokens 128 \
     --temperature 0 --out reports/heads_t0.json
   # the draft before and after distillation, temperature 0 and 1, 8 prompts: ~20 min
-  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf \
+  "$PYTHON" -m draftsmith.eval.bench --target smollm2-135m --threads 2 --method hf \
     --method draft:truncate:6 --method draft:runs/distill6/artifact \
     --method hf-assisted:truncate:6 --method hf-assisted:runs/distill6/artifact \
     --prompts data/eval/mt_bench_question.jsonl --num-prompts 8 --max-new-tokens 128 \
     --temperature 0 --out reports/distill_t0.json
-  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf \
+  "$PYTHON" -m draftsmith.eval.bench --target smollm2-135m --threads 2 --method hf \
     --method draft:truncate:6 --method draft:runs/distill6/artifact \
     --prompts data/eval/mt_bench_question.jsonl --num-prompts 8 --max-new-tokens 128 \
     --temperature 1 --seed 0 --out reports/distill_t1.json
@@ -247,12 +247,12 @@ shipped-dflash)  # artifacts/smollm2-135m/dflash: DFlash, 2 layers, blocks of 8,
   # (2.1 GB) then 41 min of training (2592 steps, ~3500 block tokens/s)
   "$PYTHON" train/dflash.py --config configs/dflash/smollm2-135m.yaml --resume latest \
     --report_to none
-  "$PYTHON" -m heads.artifact cast runs/dflash-smollm2-135m/artifact \
+  "$PYTHON" -m draftsmith.heads.artifact cast runs/dflash-smollm2-135m/artifact \
     artifacts/smollm2-135m/dflash --dtype bf16 --overwrite
   ;;
 block-bench)  # the shipped block draft beside the shipped EAGLE-3 head and prompt lookup, in our
   # engine: 80 MT-bench first turns, 128 tokens, T=0
-  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf --method hf-pld \
+  "$PYTHON" -m draftsmith.eval.bench --target smollm2-135m --threads 2 --method hf --method hf-pld \
     --method eagle:artifacts/smollm2-135m/eagle3 --method dflash:artifacts/smollm2-135m/dflash \
     --tree auto --draft-dtype bf16 --prompts data/eval/mt_bench_question.jsonl --num-prompts 80 \
     --max-new-tokens 128 --temperature 0 --out reports/shipped_block_t0.json
@@ -270,7 +270,7 @@ engine-costs)  # the engine's round beside llama.cpp's forward after the engine 
 engine-bench)  # every shipped draft in the reworked engine, compiled (max), beside plain, hf,
   # transformers' compiled static-cache generate and both prompt lookups: 20 MT-bench first
   # turns, 128 tokens, greedy, with the cost model's prediction beside each method's decoding
-  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --compile max \
+  "$PYTHON" -m draftsmith.eval.bench --target smollm2-135m --threads 2 --compile max \
     --method plain --method hf --method hf-static --method pld --method hf-pld \
     --method eagle:artifacts/smollm2-135m/eagle3 --method medusa:artifacts/smollm2-135m/medusa \
     --method dflash:artifacts/smollm2-135m/dflash --method draft:artifacts/smollm2-135m/draft \
@@ -280,12 +280,12 @@ engine-bench)  # every shipped draft in the reworked engine, compiled (max), bes
 engine-chain)  # what the shipped EAGLE-3 head is worth as a 3-token chain in both engines, on
   # the f32 target, 2 threads each: our speedup over our plain beside llama.cpp's over its own
   # (llama.cpp drafts the full chain: no p-min stop, as ours)
-  "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --compile max \
+  "$PYTHON" -m draftsmith.eval.bench --target smollm2-135m --threads 2 --compile max \
     --method plain --method eagle:artifacts/smollm2-135m/eagle3 --tree fixed --tree-topk 1 \
     --tree-depth 3 --tree-nodes 3 --draft-dtype bf16 \
     --prompts data/eval/mt_bench_question.jsonl --num-prompts 20 --max-new-tokens 128 \
     --temperature 0 --out reports/engine_eagle_chain3.json
-  "$PYTHON" -m eval.bench --engine llama.cpp --target smollm2-135m --threads 2 \
+  "$PYTHON" -m draftsmith.eval.bench --engine llama.cpp --target smollm2-135m --threads 2 \
     --gguf-target-type f32 --method plain --method eagle:artifacts/smollm2-135m/eagle3 \
     --llama-draft-max 3 --prompts data/eval/mt_bench_question.jsonl --num-prompts 20 \
     --max-new-tokens 128 --temperature 0 --out reports/llama_eagle_chain3_f32.json
@@ -299,7 +299,7 @@ llama-bench)  # the shipped drafts served by llama.cpp itself: 20 MT-bench first
   # tokens, greedy, one thread per server, on the embedded Q4_1 target and an f32 GGUF of it;
   # drafting stops below p 0.6 (the best of 0, 0.6 and 0.9 on 5 prompts for both heads)
   for target_type in "" f32; do
-    "$PYTHON" -m eval.bench --engine llama.cpp --target smollm2-135m --threads 1 \
+    "$PYTHON" -m draftsmith.eval.bench --engine llama.cpp --target smollm2-135m --threads 1 \
       ${target_type:+--gguf-target-type $target_type} \
       --method plain --method ngram:ngram-simple --method ngram:ngram-mod \
       --method eagle:artifacts/smollm2-135m/eagle3 --method dflash:artifacts/smollm2-135m/dflash \
@@ -312,7 +312,7 @@ llama-bench-eagle3)  # the shipped EAGLE-3 head (the swept recipe) served by lla
   # llama-bench measured the head before it: 20 MT-bench first turns, 128 tokens, greedy, one
   # thread per server, p-min 0.6, beside plain decoding and the best n-gram lookup
   for target_type in "" f32; do
-    "$PYTHON" -m eval.bench --engine llama.cpp --target smollm2-135m --threads 1 \
+    "$PYTHON" -m draftsmith.eval.bench --engine llama.cpp --target smollm2-135m --threads 1 \
       ${target_type:+--gguf-target-type $target_type} \
       --method plain --method ngram:ngram-mod --method eagle:artifacts/smollm2-135m/eagle3 \
       --llama-draft-p-min "${P_MIN:-0.6}" \
@@ -322,7 +322,7 @@ llama-bench-eagle3)  # the shipped EAGLE-3 head (the swept recipe) served by lla
   ;;
 llama-cross-check)  # each head's acceptance per depth in llama.cpp and in our engine, the same
   # prompts and chains (f32 target, full chains: no p-min)
-  "$PYTHON" -m eval.bench --engine llama.cpp --target smollm2-135m --threads 1 \
+  "$PYTHON" -m draftsmith.eval.bench --engine llama.cpp --target smollm2-135m --threads 1 \
     --gguf-target-type f32 --method plain --method eagle:artifacts/smollm2-135m/eagle3 \
     --method dflash:artifacts/smollm2-135m/dflash --cross-check \
     --prompts data/eval/mt_bench_question.jsonl --num-prompts 8 --max-new-tokens 128 \
@@ -351,7 +351,7 @@ shipped-eagle3-trees)  # the shipped EAGLE-3 head's tau against speed as its tre
   # (--tree picks one tree per run): about 3 minutes a tree
   for tree in "1 8 3" "4 8 8" "5 8 10" "5 8 12" "5 8 16"; do
     set -- $tree
-    "$PYTHON" -m eval.bench --target smollm2-135m --threads 2 --method hf \
+    "$PYTHON" -m draftsmith.eval.bench --target smollm2-135m --threads 2 --method hf \
       --method eagle:artifacts/smollm2-135m/eagle3 --tree fixed --tree-depth "$1" --tree-topk "$2" \
       --tree-nodes "$3" --draft-dtype bf16 --prompts "$HELDOUT" --num-prompts 8 \
       --max-new-tokens 128 --temperature 0 --out "reports/shipped_eagle3_tree_d$1_k$2_n$3.json"

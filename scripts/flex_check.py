@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from heads.ttt_attention import documents_of, flex_ttt_attention, sdpa_ttt_attention  # noqa: E402
+from draftsmith.heads.ttt_attention import documents_of, flex_ttt_attention, sdpa_ttt_attention  # noqa: E402
 
 
 def kernels_agree(device: str = "cuda") -> dict[str, float]:

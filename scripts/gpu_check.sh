@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The GPU path in one short run (at most 12 minutes on one H200): EAGLE-3's flex attention against
 # the SDPA kernel (scripts/flex_check.py); bf16 training steps of each trainer on the embedded
-# target with token-budget batches, through python -m train.speed (real tokens/s beside the
-# target's own forward, the allocator's peak beside train.memory's estimate), every SDPA call in
+# target with token-budget batches, through python -m draftsmith.train.speed (real tokens/s beside the
+# target's own forward, the allocator's peak beside draftsmith.train.memory's estimate), every SDPA call in
 # the fused kernels (fused_attention_only: a fall-back to the math kernel fails the stage); the
-# sharded path (torchrun over every GPU, FSDP2, a checkpoint resumed exactly); then eval.bench on
+# sharded path (torchrun over every GPU, FSDP2, a checkpoint resumed exactly); then draftsmith.eval.bench on
 # GPU (greedy, identical tokens checked, speedups reported), into $OUT (default reports/gpu/). The 8B recipes need the 8B targets, which this script does not
-# download: `python -m train.memory --config configs/eagle/llama-3.1-8b-instruct.yaml
+# download: `python -m draftsmith.train.memory --config configs/eagle/llama-3.1-8b-instruct.yaml
 # --processes 8` gives their estimate once the target is in the local Hugging Face cache.
 #
 #   scripts/gpu_check.sh            # needs a CUDA torch, the project installed (make install)
@@ -47,17 +47,17 @@ stage flex_attention 150 "$PYTHON" scripts/flex_check.py
 # bf16 training steps, token-budget batches, each trainer on the embedded target; the fused
 # attention kernels only (a fall-back to the math kernel fails the stage)
 FUSED=(--mixed_precision bf16 --fused_attention_only true)
-stage speed_eagle3 90 "$PYTHON" -m train.speed --config configs/eagle/smollm2-135m.yaml \
+stage speed_eagle3 90 "$PYTHON" -m draftsmith.train.speed --config configs/eagle/smollm2-135m.yaml \
   --data "$DATA" --max_length 2048 --max_tokens_per_batch 16384 --steps 10 --warmup 3 "${FUSED[@]}"
-stage speed_eagle3_ckpt 90 "$PYTHON" -m train.speed --config configs/eagle/smollm2-135m.yaml \
+stage speed_eagle3_ckpt 90 "$PYTHON" -m draftsmith.train.speed --config configs/eagle/smollm2-135m.yaml \
   --data "$DATA" --max_length 2048 --max_tokens_per_batch 16384 --steps 10 --warmup 3 \
   --gradient_checkpointing true "${FUSED[@]}"
-stage speed_eagle3_packed 90 "$PYTHON" -m train.speed --config configs/eagle/smollm2-135m.yaml \
+stage speed_eagle3_packed 90 "$PYTHON" -m draftsmith.train.speed --config configs/eagle/smollm2-135m.yaml \
   --data "$DATA" --max_length 2048 --max_tokens_per_batch 16384 --steps 10 --warmup 3 \
   --packing true "${FUSED[@]}"
-stage speed_medusa 60 "$PYTHON" -m train.speed --config configs/medusa/smollm2-135m.yaml \
+stage speed_medusa 60 "$PYTHON" -m draftsmith.train.speed --config configs/medusa/smollm2-135m.yaml \
   --data "$DATA" --max_length 2048 --max_tokens_per_batch 16384 --steps 10 --warmup 3 "${FUSED[@]}"
-stage speed_distill 60 "$PYTHON" -m train.speed --config configs/distill/smollm2-135m.yaml \
+stage speed_distill 60 "$PYTHON" -m draftsmith.train.speed --config configs/distill/smollm2-135m.yaml \
   --data "$DATA" --max_length 2048 --max_tokens_per_batch 16384 --steps 10 --warmup 3 \
   --on_policy_ratio 0 "${FUSED[@]}"
 
@@ -70,7 +70,7 @@ methods=(--method hf --method plain --method hf-pld --method draft:truncate:8)
 for artifact in artifacts/smollm2-135m/eagle3 artifacts/smollm2-135m/medusa1; do
   [ -d "$artifact" ] && methods+=(--method "$(basename "$artifact" | tr -d '0-9'):$artifact")
 done
-stage bench 180 "$PYTHON" -m eval.bench --target smollm2-135m --device cuda "${methods[@]}" \
+stage bench 180 "$PYTHON" -m draftsmith.eval.bench --target smollm2-135m --device cuda "${methods[@]}" \
   --prompts data/eval/mt_bench_question.jsonl --num-prompts 20 --max-new-tokens 128 \
   --temperature 0 --out "$OUT/bench_t0_report.json"
 

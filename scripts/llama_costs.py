@@ -5,7 +5,7 @@
 * verification: the target's forward over n = 1, 2, 3, 4, 5, 8 tokens with 128 tokens already in
   its cache, in llama.cpp (``llama-bench -p N -n 0 -d 128``, built beside llama-server by
   ``make llama-cpp``) for the embedded Q4_1 GGUF and an f32 GGUF of the same weights, and in
-  draftsmith's engine: whole rounds verifying n tokens (eval.tree_cost.measure_verify_cost: the
+  draftsmith's engine: whole rounds verifying n tokens (draftsmith.eval.tree_cost.measure_verify_cost: the
   fp32 target through transformers, the mask, the acceptance, the host read, the cache
   compaction), eagerly and compiled (``--compile off max``; compiling happens before the
   timing). llama-bench's figure is a forward that keeps the last logits only; a round keeps
@@ -29,11 +29,11 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("MKL_CBWR", "AUTO")  # as eval.bench: MKL's small-GEMM path is slow on EPYC
+os.environ.setdefault("MKL_CBWR", "AUTO")  # as draftsmith.eval.bench: MKL's small-GEMM path is slow on EPYC
 
 import torch  # noqa: E402
 
-from layouts.llama_cpp import LlamaServer, find_llama_server, gguf_for_target  # noqa: E402
+from draftsmith.layouts.llama_cpp import LlamaServer, find_llama_server, gguf_for_target  # noqa: E402
 
 SIZES = (1, 2, 3, 4, 5, 8)
 PROMPT = "Write a short story about a robot who learns to paint."
@@ -74,11 +74,11 @@ def main() -> None:
     parser.add_argument("--eagle", default="artifacts/smollm2-135m/eagle3")
     parser.add_argument("--dflash", default=None, help="a block draft artifact to time as well")
     parser.add_argument("--compile", nargs="+", default=["off", "max"],
-                        help="the engine's compile modes to time (eval.forward)")
+                        help="the engine's compile modes to time (draftsmith.eval.forward)")
     args = parser.parse_args()
-    from eval.tree_cost import measure_verify_cost
-    from heads.target import load_target
-    from layouts.eagle import export_eagle_gguf
+    from draftsmith.eval.tree_cost import measure_verify_cost
+    from draftsmith.layouts.eagle import export_eagle_gguf
+    from draftsmith.targets.target import load_target
 
     report = {"machine": open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0]
               .strip(": "), "sizes": list(SIZES), "llama.cpp": {}, "draftsmith": {},
@@ -104,7 +104,7 @@ def main() -> None:
             drafts[f"eagle3 {kind}"] = ["-md", str(path), "--spec-type", "draft-eagle3",
                                         "--spec-draft-n-max", "3"]
         if args.dflash:
-            from layouts.dflash import export_block
+            from draftsmith.layouts.dflash import export_block
 
             path = Path(tmp) / "dflash.gguf"
             export_block(args.dflash, "gguf", path, target=target, gguf_type="f16")

@@ -111,7 +111,7 @@ def _model(width: str, layers: int, vocab: int | None = None):
 def child(spec: dict) -> dict:
     import torch
 
-    from heads.target import wrap_target
+    from draftsmith.targets.target import wrap_target
 
     torch.manual_seed(0)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -124,8 +124,8 @@ def child(spec: dict) -> dict:
     mask = torch.ones_like(ids)
     loss_mask = torch.ones_like(ids)
     if kind in ("eagle3", "eagle1"):
-        from heads.eagle import EagleConfig, EagleHead, build_draft_vocab
-        from heads.eagle_loss import EagleLoss
+        from draftsmith.heads.eagle import EagleConfig, EagleHead, build_draft_vocab
+        from draftsmith.heads.eagle_loss import EagleLoss
 
         target = wrap_target(_model(spec["width"], layers=4), name=spec["width"])
         version = 3 if kind == "eagle3" else 1
@@ -150,9 +150,9 @@ def child(spec: dict) -> dict:
                 loss, _ = model(batch, reduction="sum")
             loss.backward()
     elif kind == "medusa1":
-        from heads.medusa import MedusaHeads
-        from heads.medusa_loss import MedusaObjective
-        from train.medusa import MedusaTrainConfig, loss_options
+        from draftsmith.heads.medusa import MedusaHeads
+        from draftsmith.heads.medusa_loss import MedusaObjective
+        from draftsmith.train.medusa import MedusaTrainConfig, loss_options
 
         target = wrap_target(_model(spec["width"], layers=1), name=spec["width"])
         heads = MedusaHeads.from_target(target, num_heads=spec["heads"], share_lm_head=True)

@@ -2,7 +2,7 @@
 
     python scripts/memory_probe_tiny.py [--out reports/memory_probe_tiny.json] [--steps 2]
 
-For each of configs/{eagle,medusa,dflash,distill}/tiny.yaml, ``python -m train.memory_probe`` in
+For each of configs/{eagle,medusa,dflash,distill}/tiny.yaml, ``python -m draftsmith.train.memory_probe`` in
 a fresh process (so no memory freed by an earlier run is reused unseen), twice:
 
 * ``full``: on rows that fill every micro-batch the config plans (answers longer than
@@ -57,7 +57,7 @@ def probe_argv(trainer: str, full_rows: Path | None) -> list[str]:
 def run_probe(trainer: str, full_rows: Path | None, steps: int, scratch: Path) -> dict:
     """One probe in a fresh process; its JSON."""
     out = scratch / f"{trainer}-{'full' if full_rows else 'own'}.json"
-    command = [sys.executable, "-m", "train.memory_probe", *probe_argv(trainer, full_rows),
+    command = [sys.executable, "-m", "draftsmith.train.memory_probe", *probe_argv(trainer, full_rows),
                "--steps", str(steps), "--out", str(out)]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     if done.returncode:

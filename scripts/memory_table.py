@@ -16,8 +16,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from train.config import parse_config  # noqa: E402
-from train.recipes import trainer_of  # noqa: E402
+from draftsmith.train.config import parse_config  # noqa: E402
+from draftsmith.train.recipes import trainer_of  # noqa: E402
 
 GIB = 2**30
 ROWS = [

@@ -13,7 +13,7 @@ and the step budgets it gives speculators' EAGLE-3 trainer and ours.
     python scripts/peer_speculators.py summary --kind ours|speculators --metrics FILE
     python scripts/peer_speculators.py meta --dir OUT --out REPORT.meta.json
 
-``rows``: exactly the rows draftsmith's trainer reads for CONFIG and DATA (train.rows's
+``rows``: exactly the rows draftsmith's trainer reads for CONFIG and DATA (draftsmith.train.rows's
 tokenisation, chat template and ``max_length`` truncation), as speculators' pre-tokenised format
 (``input_ids``, ``loss_mask``: 1 on the tokens of assistant turns, which both projects mean by
 it).
@@ -54,11 +54,11 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 from safetensors.torch import save_file
 
-from heads.command_line import run_command
-from heads.eagle import default_aux_layer_ids
-from heads.output_dir import write_atomic
-from heads.target import load_target, resolve_target
-from train.speed import logged_step_seconds, steps_for_budget
+from draftsmith.files.command_line import run_command
+from draftsmith.files.output_dir import write_atomic
+from draftsmith.heads.eagle import default_aux_layer_ids
+from draftsmith.targets.target import load_target, resolve_target
+from draftsmith.train.speed import logged_step_seconds, steps_for_budget
 
 # What speculators' trainer needs on a CPU, whatever the variant: its fused losses are Triton
 # kernels (GPU only); torch 2.13 has no flex-attention backward on a CPU ("FlexAttention does not
@@ -77,8 +77,8 @@ ARCHITECTURE_FLAGS = ("--no-norm-before-residual", "--no-norm-before-fc", "--no-
 
 
 def _config(path: str, data: str | None = None):
-    from train.config import parse_config
-    from train.eagle import EagleTrainConfig
+    from draftsmith.train.config import parse_config
+    from draftsmith.train.eagle import EagleTrainConfig
 
     argv = ["--config", path] + (["--data", data] if data else [])
     cfg = parse_config(EagleTrainConfig, argv)
@@ -106,7 +106,7 @@ def _read_rows(path: str) -> list[dict]:
 def subset(data: str, count: int, out: str) -> None:
     """The first ``count`` usable conversations of ``data`` as a messages JSONL file (for runs
     on part of the data: both trainers then read this file)."""
-    from train.rows import read_conversations
+    from draftsmith.train.rows import read_conversations
 
     if count < 1:
         raise ValueError(f"--rows must be at least 1, got {count}")
@@ -122,7 +122,7 @@ def rows(config: str, data: str, out: str) -> None:
     """draftsmith's training rows for CONFIG and DATA, one JSON object per line."""
     from transformers import AutoTokenizer
 
-    from train.rows import load_sft_dataset
+    from draftsmith.train.rows import load_sft_dataset
 
     cfg = _config(config, data)
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_target(cfg.target)))
@@ -157,7 +157,7 @@ def features(config: str, rows_path: str, layers: list[int], out: str,
              tokens_per_batch: int = 8192) -> None:
     """``hs_<i>.safetensors`` for every row and the validation copy of row 0, then
     ``done.json`` with the seconds it took (a directory with it is reused as it is)."""
-    from train.accelerator import resolve_mixed_precision
+    from draftsmith.train.accelerator import resolve_mixed_precision
 
     started = time.time()
     directory = Path(out)
@@ -335,7 +335,7 @@ def _records(path: str) -> list[dict]:
 def step_seconds(kind: str, metrics: str) -> list[float]:
     """Seconds of each optimizer step the run logged (logging every step).
 
-    ours: train.speed.logged_step_seconds of its metrics.jsonl; speculators: the times its
+    ours: draftsmith.train.speed.logged_step_seconds of its metrics.jsonl; speculators: the times its
     metric records were logged (speculators_cpu.py adds them), one step fewer than it ran."""
     records = _records(metrics)
     if kind == "ours":
@@ -346,7 +346,7 @@ def step_seconds(kind: str, metrics: str) -> list[float]:
 
 def plan(kind: str, metrics: str, seconds: float, budget: float, record: str | None = None) -> int:
     """Optimizer steps that fit ``budget`` seconds, from a probe of ``seconds`` wall time
-    (train.speed.steps_for_budget)."""
+    (draftsmith.train.speed.steps_for_budget)."""
     fit = steps_for_budget(step_seconds(kind, metrics), seconds, budget,
                            unlogged_steps=0 if kind == "ours" else 1, what=kind)
     _record(record, {"kind": kind, "budget_seconds": round(budget, 1),

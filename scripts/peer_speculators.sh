@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The peer, side by side: vllm-project/speculators' EAGLE-3 trainer (speculators==0.9.0 from PyPI,
 # in its own virtual environment) against draftsmith's, on exactly the same rows and the same CPU
-# wall time, both heads measured in one eval.bench run on held-out prompts.
+# wall time, both heads measured in one draftsmith.eval.bench run on held-out prompts.
 #
 #   scripts/peer_speculators.sh --data data/train/selfdistill_answers.jsonl --minutes 60 \
 #       --ours configs/eagle/smollm2-135m.yaml --out runs/peer
@@ -14,7 +14,7 @@
 # data/eval/vicuna_bench_question.jsonl, never MT-bench, the test set)  --num-prompts N (all)
 # --max-new-tokens N (128)  --probe-steps N (8)  --memory-gib G (what speculators' losses may use;
 # default what the machine has available)  --threads N (nproc)  --bench-args "..." (more
-# eval.bench flags, e.g. "--draft-dtype bf16").
+# draftsmith.eval.bench flags, e.g. "--draft-dtype bf16").
 #
 # Stages (each prints its time; every time lands in the .meta.json):
 #   1. speculators' venv: built or reused by `draftsmith consumer-check install` (CPU torch
@@ -43,7 +43,7 @@
 #                  draft vocabulary size, aux layers, tokens per step, and the architecture flags
 #                  off (draftsmith's head has none); what it lacks (min_lr_ratio, Adam betas, the
 #                  clipping norm, feature noise) is listed in the .meta.json.
-#   5. one `python -m eval.bench` of hf and all heads on the held-out prompts (greedy, exact), every
+#   5. one `python -m draftsmith.eval.bench` of hf and all heads on the held-out prompts (greedy, exact), every
 #      head with the same fixed tree, the one --ours evaluates with (tree_depth, tree_topk,
 #      tree_nodes): reports/peer_speculators_NAME.json, and the .meta.json beside it (timings,
 #      steps, tokens, settings, the CPU changes).
@@ -273,14 +273,14 @@ done
 say "benchmark: hf and every head on $PROMPTS"
 # the target and the tree --ours evaluates with, the same for every head
 read -r target tree_depth tree_topk tree_nodes < <("$PYTHON" -c "import sys; \
-from train.config import parse_config; from train.eagle import EagleTrainConfig; \
+from draftsmith.train.config import parse_config; from draftsmith.train.eagle import EagleTrainConfig; \
 c = parse_config(EagleTrainConfig, ['--config', sys.argv[1]]); \
 print(c.target, c.tree_depth, c.tree_topk, c.tree_nodes)" "$OURS")
 count=()
 [ -n "$NUM_PROMPTS" ] && count=(--num-prompts "$NUM_PROMPTS")
 read -r -a extra <<< "$BENCH_ARGS"
 t=$(now)
-"$PYTHON" -m eval.bench --target "$target" --threads "$THREADS" --method hf "${METHODS[@]}" \
+"$PYTHON" -m draftsmith.eval.bench --target "$target" --threads "$THREADS" --method hf "${METHODS[@]}" \
   --prompts "$PROMPTS" "${count[@]}" --max-new-tokens "$NEW_TOKENS" --temperature 0 \
   --tree fixed --tree-depth "$tree_depth" --tree-topk "$tree_topk" --tree-nodes "$tree_nodes" \
   "${extra[@]}" --no-progress --out "$REPORT" 2>&1 | tee "$OUT/bench.log"

@@ -4,7 +4,7 @@
 # one thread and 32 parallel slots each: single-threaded servers share a 2-core machine without
 # spinning at barriers; no prompt cache, which no prompt here would reuse and which grows to 8 GiB
 # per server by default), one shard each. Rerun to continue where the shards stop; then
-#   python -m train.data merge --out data/train/selfdistill9k_answers.jsonl
+#   python -m draftsmith.train.data merge --out data/train/selfdistill9k_answers.jsonl
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -12,8 +12,8 @@ SLOTS=${SLOTS:-32}
 OUT=${OUT:-data/train/selfdistill9k_answers.jsonl}
 LOGS=${LOGS:-runs/regen9k}
 mkdir -p "$LOGS"
-server=$($PYTHON -m layouts.llama_cpp where | head -1)
-gguf=$($PYTHON -m layouts.llama_cpp target-gguf smollm2-135m --type f32 | tail -1)
+server=$($PYTHON -m draftsmith.layouts.llama_cpp where | head -1)
+gguf=$($PYTHON -m draftsmith.layouts.llama_cpp target-gguf smollm2-135m --type f32 | tail -1)
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
@@ -30,7 +30,7 @@ done
 workers=()
 for shard in 0 1; do
   port=$((8091 + shard))
-  $PYTHON -m train.data regenerate --backend openai --url "http://127.0.0.1:$port/v1" \
+  $PYTHON -m draftsmith.train.data regenerate --backend openai --url "http://127.0.0.1:$port/v1" \
     --model smollm2 --target smollm2-135m --data data/train/selfdistill9k_prompts.jsonl \
     --out "$OUT" --shard "$shard/2" --concurrency "$SLOTS" --max-new-tokens 256 \
     --temperature 0 > "$LOGS/regenerate-$shard.log" 2>&1 &

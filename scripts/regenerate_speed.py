@@ -1,4 +1,4 @@
-"""Answers per minute of `train.data regenerate` in this process against llama-server's slots.
+"""Answers per minute of `draftsmith.train.data regenerate` in this process against llama-server's slots.
 
     python scripts/regenerate_speed.py --prompts data/train/selfdistill_prompts.jsonl \
         --num-prompts 64 --max-new-tokens 128 --out reports/regenerate_speed.json
@@ -30,13 +30,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from layouts.llama_cpp import LlamaServer, gguf_for_target  # noqa: E402
+from draftsmith.layouts.llama_cpp import LlamaServer, gguf_for_target  # noqa: E402
 
 
 def regenerate(args: list[str], out: Path, threads: int) -> float:
     """Run one regeneration to ``out``; its wall seconds."""
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "train.data", "regenerate", *args, "--out", str(out)],
+    subprocess.run([sys.executable, "-m", "draftsmith.train.data", "regenerate", *args, "--out", str(out)],
                    check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     return time.perf_counter() - start
 
@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="reports/regenerate_speed.json")
     args = parser.parse_args()
-    from heads.target import load_target
+    from draftsmith.targets.target import load_target
 
     tokenizer = load_target("smollm2-135m", device="cpu", dtype="float32").tokenizer
     common = ["--target", "smollm2-135m", "--data", args.prompts, "--max-prompts",

@@ -7,7 +7,7 @@ A seeded, shuffled mix of the training files in data/train (never MT-bench or Vi
 prompts of at most 320 chat tokens, so that any prefix of the file is a mix of every source:
 ShareGPT first turns (general chat, writing, extraction, STEM, humanities), GPTeacher role-play,
 GSM8K (math), GPTeacher code generation and MBPP (coding), self-instruct seed tasks. Answers are
-then written by ``python -m train.data regenerate`` (scripts/cpu_results.sh stage ``regenerate``
+then written by ``python -m draftsmith.train.data regenerate`` (scripts/cpu_results.sh stage ``regenerate``
 for the first set, scripts/regenerate_9k.sh for the ``9k`` set). The ``9k`` set takes every
 short ShareGPT, role-play, MBPP and self-instruct prompt and more GSM8K and code prompts: 5.3
 times the 1728 conversations of the first set's answers.
@@ -23,8 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from heads.target import load_target  # noqa: E402
-from train.regenerate import load_prompts  # noqa: E402
+from draftsmith.targets.target import load_target  # noqa: E402
+from draftsmith.train.regenerate import load_prompts  # noqa: E402
 
 SETS = {  # name -> (the file written, {source file: at most this many prompts})
     "shipped": ("data/train/selfdistill_prompts.jsonl", {

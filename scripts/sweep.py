@@ -1,5 +1,5 @@
 """A recipe sweep at equal wall time: every point trains for the same minutes
-(scripts/train_budget.py), then one ``eval.bench`` run measures every head on held-out prompts.
+(scripts/train_budget.py), then one ``draftsmith.eval.bench`` run measures every head on held-out prompts.
 
     python scripts/sweep.py eagle3 --minutes 20 [--points base,ttt3,...] [--data FILE]
         [--num-prompts 16] [--runs runs/sweep] [--name NAME]
@@ -37,8 +37,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import yaml
 
-from heads.command_line import run_command
-from heads.output_dir import write_atomic
+from draftsmith.files.command_line import run_command
+from draftsmith.files.output_dir import write_atomic
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPTS = "data/eval/vicuna_bench_question.jsonl"
@@ -153,9 +153,9 @@ def _data_of(base: list[str], config: str) -> str:
 
 def sample_rows(source: str | Path, rows: int, out: Path, seed: int = SAMPLE_SEED) -> dict:
     """Write a seeded sample of ``rows`` of the usable conversations of ``source`` (read by
-    train.rows, as the trainers read it) to ``out`` as messages JSONL, in the file's order; the
+    draftsmith.train.rows, as the trainers read it) to ``out`` as messages JSONL, in the file's order; the
     record says what was drawn from what."""
-    from train.rows import read_conversations
+    from draftsmith.train.rows import read_conversations
 
     path = Path(source) if Path(source).is_absolute() else REPO / source
     conversations, _ = read_conversations(str(path))
@@ -218,7 +218,7 @@ def sweep(name: str, minutes: float, points: list[str] | None, data: str | None,
         if sample:
             meta["points"][point]["sample"] = sample
     report = REPO / "reports" / f"sweep_{report_name}.json"
-    bench = [sys.executable, "-m", "eval.bench", "--target", "smollm2-135m", "--threads",
+    bench = [sys.executable, "-m", "draftsmith.eval.bench", "--target", "smollm2-135m", "--threads",
              str(threads), "--method", "hf", *_drafting(spec["trainer"], spec["config"]),
              "--draft-dtype", "bf16",
              "--prompts", prompts, "--num-prompts", str(num_prompts), "--max-new-tokens",

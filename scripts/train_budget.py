@@ -5,7 +5,7 @@ recipe sweeps (scripts/sweep.py) and against the peer trainer (scripts/peer_spec
         [--trainer eagle] [--probe-steps 8] -- --config configs/eagle/smollm2-135m.yaml ...
 
 1. A probe: the trainer with the given arguments for ``--probe-steps`` steps; its wall time and
-   the steps it logged give the start-up and the time of a step (train.speed.steps_for_budget).
+   the steps it logged give the start-up and the time of a step (draftsmith.train.speed.steps_for_budget).
 2. The run: ``max_steps`` = the steps that fit the budget, so that its learning-rate schedule
    spans them (``num_epochs`` lifted: only time binds); stopped by SIGTERM at the deadline if it
    runs over (the trainer finishes its step and saves), and then resumed with ``max_steps`` at the
@@ -34,10 +34,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from heads.command_line import run_command
-from heads.output_dir import write_atomic
-from train.recipes import TRAINERS
-from train.speed import logged_step_seconds, steps_for_budget
+from draftsmith.files.command_line import run_command
+from draftsmith.files.output_dir import write_atomic
+from draftsmith.train.recipes import TRAINERS
+from draftsmith.train.speed import logged_step_seconds, steps_for_budget
 
 REPO = Path(__file__).resolve().parents[1]
 FIXED = ("--num_epochs", "none", "--log_every", "1", "--save_every", "1000000", "--report_to",

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from heads.target import wrap_target
+from draftsmith.targets.target import wrap_target
 
 # Tiny models gain nothing from intra-op threads, and on a shared 2-core machine extra threads
 # oversubscribe the CPU (a 4-row matmul went from 0.5 ms to 24 ms). Slow tests on the real target

@@ -84,8 +84,8 @@ def rank_hits(head_logits: torch.Tensor | Sequence[torch.Tensor], input_ids: tor
 
     -> hits (K, topk) int64: hits[k-1, r] counts positions where the label is head k's rank-r
     token; totals (K,) int64: scored positions per head. Sum these over a held-out set (and over
-    processes), then turn them into heads.medusa.rank_accuracy (what the tree is built from) and
-    heads.medusa.topk_accuracy (what to log).
+    processes), then turn them into draftsmith.heads.medusa.rank_accuracy (what the tree is built from) and
+    draftsmith.heads.medusa.topk_accuracy (what to log).
     """
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")

@@ -17,17 +17,23 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-import eval.bench as bench
-from distill.draft import load_draft
-from eval.acceptance import DepthCounts
-from eval.bench import explain_differences
-from eval.draft import DraftModelProposer
-from eval.engine import SpeculativeEngine, measure_acceptance
-from eval.methods import build_methods, fixed_options, option_flags, options_from_args, owners
-from eval.prompts import Prompt, load_prompts, read_prompts
-from eval.runners import run_benchmark
-from eval.sampling import SamplingParams
-from eval.summary import (
+import draftsmith.eval.bench as bench
+from draftsmith.eval.acceptance import DepthCounts
+from draftsmith.eval.attention import tree_attention_mask
+from draftsmith.eval.bench import explain_differences
+from draftsmith.eval.draft import DraftModelProposer
+from draftsmith.eval.engine import SpeculativeEngine, measure_acceptance
+from draftsmith.eval.methods import (
+    build_methods,
+    fixed_options,
+    option_flags,
+    options_from_args,
+    owners,
+)
+from draftsmith.eval.prompts import Prompt, load_prompts, read_prompts
+from draftsmith.eval.runners import run_benchmark
+from draftsmith.eval.sampling import SamplingParams
+from draftsmith.eval.summary import (
     DIFFERS_UNEXPLAINED,
     DIVERGED,
     NUMERICAL_TIE,
@@ -41,7 +47,8 @@ from eval.summary import (
     summarise,
     ulp,
 )
-from heads.target import load_target, tree_attention_mask, wrap_target
+from draftsmith.heads.distill import load_draft
+from draftsmith.targets.target import load_target, wrap_target
 
 SPECIALS = ["<unk>", "<pad>", "<s>", "</s>"]
 WORDS = [f"w{i}" for i in range(60)]
@@ -452,7 +459,7 @@ def test_a_tie_within_rounding_is_identical_up_to_numerics():
 def test_bench_writes_the_html_report_beside_the_json(run):
     from test_report import assert_real_image, images
 
-    from eval.report import SECTIONS
+    from draftsmith.eval.report import SECTIONS
 
     _, _, out = run
     page = (out / "r.html").read_text()

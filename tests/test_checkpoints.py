@@ -30,25 +30,30 @@ from accelerate.utils.launch import prepare_multi_gpu_env
 from safetensors.torch import load_file
 from torch import nn
 
-from heads.output_dir import MARKER, read_marker
-from train.accelerator import (
+from draftsmith.files.output_dir import MARKER, read_marker
+from draftsmith.train.accelerator import (
     cpu_has_bf16,
     launched_on_cpu,
     make_accelerator,
     resolve_mixed_precision,
 )
-from train.batches import BatchPlan, loss_scale, make_batches, padded_tokens
-from train.checkpoints import (
+from draftsmith.train.batches import BatchPlan, loss_scale, make_batches, padded_tokens
+from draftsmith.train.checkpoints import (
     STATE_FILE,
     Checkpointer,
     latest_checkpoint,
     list_checkpoints,
     read_checkpoint_state,
 )
-from train.config import TrainConfig, config_from_dict, may_change_on_resume, parse_config
-from train.loop import NonFiniteLoss
-from train.optimizer import learning_rate, make_optimizer
-from train.signals import GracefulStop, follow_launcher, is_accelerate_launch
+from draftsmith.train.config import (
+    TrainConfig,
+    config_from_dict,
+    may_change_on_resume,
+    parse_config,
+)
+from draftsmith.train.loop import NonFiniteLoss
+from draftsmith.train.optimizer import learning_rate, make_optimizer
+from draftsmith.train.signals import GracefulStop, follow_launcher, is_accelerate_launch
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = REPO / "tests" / "fixtures" / "toy_train.py"
@@ -539,7 +544,7 @@ def test_sigterm_saves_a_resumable_checkpoint_and_exits_cleanly(toy, tmp_path):
 @pytest.mark.parametrize("how", ["launcher", "process group"])
 def test_sigterm_to_accelerate_launch_reaches_the_trainer(toy, tmp_path, how):
     """accelerate 1.15's launcher dies of a SIGTERM without passing it on; the trainer follows its
-    launcher (train.signals.follow_launcher), so it saves and stops whether the launcher alone or
+    launcher (draftsmith.train.signals.follow_launcher), so it saves and stops whether the launcher alone or
     the whole process group (kill -TERM -PGID) is signalled."""
     out = tmp_path / "run"
     settings = {**BASE, "max_steps": 500, "save_every": 0, "step_sleep": 0.2}
@@ -784,10 +789,10 @@ def _launch_args(path: Path):
 ])
 def test_accelerate_configs_load_and_configure_their_plugins(name, kind, monkeypatch):
     """Each shipped accelerate config loads, names only options accelerate launch has, and the
-    environment accelerate's launcher exports from it is read by train.sharding as meant."""
+    environment accelerate's launcher exports from it is read by draftsmith.train.sharding as meant."""
     from types import SimpleNamespace
 
-    from train.sharding import FSDP2, REPLICATED, sharding_plan
+    from draftsmith.train.sharding import FSDP2, REPLICATED, sharding_plan
 
     path = ACCELERATE_CONFIGS / f"{name}.yaml"
     config = load_config_from_file(str(path))
@@ -818,7 +823,7 @@ def test_sharded_launches_that_cannot_work_are_refused_with_what_to_use(monkeypa
     processes: one line each, naming the config to use instead."""
     from types import SimpleNamespace
 
-    from train.sharding import sharding_plan
+    from draftsmith.train.sharding import sharding_plan
 
     accelerator = SimpleNamespace(num_processes=4, mixed_precision="no")
     cfg = SimpleNamespace(target_parallel=1)

@@ -1,4 +1,4 @@
-"""heads.chunked_loss: the chunked projection + cross-entropy against a plain float64 reference.
+"""draftsmith.heads.chunked_loss: the chunked projection + cross-entropy against a plain float64 reference.
 
 The reference forms the full (groups, n, vocab) logits and lets autograd differentiate them; the
 chunked helper must give the same loss, sums and gradients for any chunk size, with groups,
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from heads.chunked_loss import projected_argmax, projected_cross_entropy
+from draftsmith.heads.chunked_loss import projected_argmax, projected_cross_entropy
 
 G, N, H, V_TEACHER = 3, 11, 6, 17
 COLUMNS = torch.tensor([0, 2, 3, 5, 8, 9, 12, 16])  # the student's 8 columns among 17 teacher ids

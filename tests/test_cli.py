@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -45,7 +47,7 @@ def test_a_user_error_is_one_line_named_after_the_command(capsys, tmp_path):
 
 
 def test_a_command_reports_its_status(capsys):
-    """draftsmith memory returns what python -m train.memory returns: 0 with the estimate."""
+    """draftsmith memory returns what python -m draftsmith.train.memory returns: 0 with the estimate."""
     assert main(["memory", "--config", "configs/eagle/llama-3.1-8b-instruct.yaml",
                  "--processes", "8"]) == 0
     assert "peak:" in capsys.readouterr().out
@@ -60,13 +62,13 @@ def test_train_launches_the_configs_trainer_through_accelerate(capsys):
     assert main(["train", "configs/medusa/smollm2-135m.yaml", "--dry-run", "max_steps=2"]) == 0
     line = capsys.readouterr().err.strip()
     assert "-m accelerate.commands.launch --num_processes 1" in line
-    assert f"{REPO / 'train' / 'medusa.py'} --config configs/medusa/smollm2-135m.yaml " \
+    assert "--module draftsmith.train.medusa --config configs/medusa/smollm2-135m.yaml " \
            "--max_steps 2" in line
     assert main(["train", "configs/eagle/llama-3.3-70b-instruct.yaml", "--dry-run",
                  "--processes", "8", "--accelerate-config", "configs/accelerate/fsdp2.yaml"]) == 0
     line = capsys.readouterr().err
     assert "--config_file configs/accelerate/fsdp2.yaml --num_processes 8" in line
-    assert "train/eagle.py" in line
+    assert "--module draftsmith.train.eagle" in line
     assert main(["train", "configs/eagle/llama-3.3-70b-instruct.yaml", "--dry-run",
                  "--accelerate-config", "configs/accelerate/multi_node.yaml", "--machine-rank",
                  "1", "--main-process-ip", "10.0.0.1"]) == 0
@@ -102,14 +104,15 @@ def test_the_console_script_runs_from_the_environment():
         assert "memory-probe" in done.stdout
 
 
-def test_draftsmith_train_runs_a_real_trainer(tmp_path):
-    """Two optimizer steps of the EAGLE trainer on a tiny random target, launched as a user
-    would: draftsmith train CONFIG key=value ...; the artifact is written, exit status 0."""
+@pytest.fixture
+def tiny_eagle_run(tmp_path):
+    """The words and environment of `draftsmith train` on the tiny EAGLE config with a tiny
+    random target and 8 rows; -> (argv after `train`, env, output directory)."""
     import random
 
     from test_train_eagle import conversation, save_tiny_target, write_jsonl
 
-    from heads.target import load_target
+    from draftsmith.targets.target import load_target
 
     tokenizer = load_target("smollm2-135m").tokenizer
     rng = random.Random(0)
@@ -121,14 +124,51 @@ def test_draftsmith_train_runs_a_real_trainer(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "DRAFTSMITH_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled",
            "OMP_NUM_THREADS": "1"}
+    argv = ["configs/eagle/tiny.yaml", f"target={target}", f"data={data}", f"output_dir={out}",
+            "aux_layer_ids=1,2,3", "draft_vocab_size=512", "max_length=64", "eval_every=0",
+            "report_to=none", "per_device_batch_size=4"]
+    return argv, env, out
+
+
+def test_draftsmith_train_runs_a_real_trainer(tiny_eagle_run):
+    """Two optimizer steps of the EAGLE trainer on a tiny random target, launched as a user
+    would: draftsmith train CONFIG key=value ...; the artifact is written, exit status 0."""
+    argv, env, out = tiny_eagle_run
     done = subprocess.run(
-        [sys.executable, "-m", "draftsmith", "train", "configs/eagle/tiny.yaml",
-         f"target={target}", f"data={data}", f"output_dir={out}", "aux_layer_ids=1,2,3",
-         "draft_vocab_size=512", "max_length=64", "max_steps=2", "eval_every=0",
-         "save_every=0", "report_to=none", "per_device_batch_size=4"],
+        [sys.executable, "-m", "draftsmith", "train", *argv, "max_steps=2", "save_every=0"],
         cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "accelerate.commands.launch" in done.stderr
     assert (out / "artifact" / "model.safetensors").is_file()
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert max(r.get("step", 0) for r in steps) == 2
+
+
+def test_sigterm_to_draftsmith_train_saves_and_stops_the_trainer(tiny_eagle_run):
+    """`kill <pid of draftsmith train>` reaches the trainer (through its launcher): it finishes
+    its step, saves a checkpoint and exits; nothing is left running."""
+    import psutil
+
+    argv, env, out = tiny_eagle_run
+    process = subprocess.Popen(
+        [sys.executable, "-m", "draftsmith", "train", *argv, "max_steps=100000", "save_every=0"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        metrics = out / "metrics.jsonl"
+        while time.monotonic() < deadline and process.poll() is None:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.2)
+        assert process.poll() is None, process.communicate()
+        children = psutil.Process(process.pid).children(recursive=True)
+        assert children, "draftsmith train started no launcher"
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=120)
+        gone, alive = psutil.wait_procs(children, timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert alive == [], [p.cmdline() for p in alive]
+    assert "SIGTERM received" in stderr, stderr[-3000:]
+    assert list((out / "checkpoints").glob("step_*")), stderr[-3000:]

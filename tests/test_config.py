@@ -1,4 +1,4 @@
-"""train.config: defaults < YAML < command line, and errors that name the key."""
+"""draftsmith.train.config: defaults < YAML < command line, and errors that name the key."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Literal
 import pytest
 import yaml
 
-from train.config import (
+from draftsmith.train.config import (
     config_diff,
     config_from_dict,
     config_help,

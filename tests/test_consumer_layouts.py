@@ -19,11 +19,11 @@ import torch
 from safetensors.torch import load_file
 from test_export import VOCAB, make_target
 
-from heads.eagle import EagleConfig, EagleHead, build_draft_vocab, save_eagle
-from heads.medusa import MedusaConfig, MedusaHeads, save_medusa
-from heads.output_dir import MARKER
-from layouts.export import export
-from layouts.medusa import trtllm_convert_command
+from draftsmith.files.output_dir import MARKER
+from draftsmith.heads.eagle import EagleConfig, EagleHead, build_draft_vocab, save_eagle
+from draftsmith.heads.medusa import MedusaConfig, MedusaHeads, save_medusa
+from draftsmith.layouts.export import export
+from draftsmith.layouts.medusa import trtllm_convert_command
 
 FIXTURES = Path(__file__).parent / "fixtures" / "consumers"
 RULES = {path.stem: json.loads(path.read_text()) for path in sorted(FIXTURES.glob("*.json"))}

@@ -17,16 +17,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from heads.eagle import EagleConfig, EagleHead, build_draft_vocab, save_eagle
-from heads.eagle_loss import target_features
-from layouts.consumer_check import install_speculators, run_speculators_check
-from layouts.eagle import load_eagle_head
-from layouts.export import export
+from draftsmith.heads.eagle import EagleConfig, EagleHead, build_draft_vocab, save_eagle
+from draftsmith.layouts.consumer_check import install_speculators, run_speculators_check
+from draftsmith.layouts.eagle import load_eagle_head
+from draftsmith.layouts.export import export
+from draftsmith.targets.features import target_features
 
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from heads.target import load_target
+    from draftsmith.targets.target import load_target
 
     return load_target("smollm2-135m", device="cpu", dtype="float32")
 
@@ -79,7 +79,7 @@ def test_speculators_loads_our_eagle3_export(tmp_path, smollm2, speculators_pyth
 @pytest.mark.slow
 def test_export_check_runs_speculators_when_its_venv_exists(tmp_path, smollm2, speculators_python,
                                                             capsys):
-    from layouts.export import main
+    from draftsmith.layouts.export import main
 
     cfg = EagleConfig.from_target(smollm2, 3, draft_vocab_size=8192)
     d2t, t2d = build_draft_vocab(torch.arange(smollm2.vocab_size) % 97, 8192)

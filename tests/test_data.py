@@ -1,4 +1,4 @@
-"""train.rows (what python -m train.data reads): every source format, exact assistant loss masks, skip reports, the tokenisation cache
+"""draftsmith.train.rows (what python -m draftsmith.train.data reads): every source format, exact assistant loss masks, skip reports, the tokenisation cache
 (shared by concurrent processes), prompts. Regeneration is tested in tests/test_regenerate.py."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from heads.file_formats import FileFormatError
-from heads.target import resolve_target
-from train import regenerate as regeneration
-from train import rows as data
-from train.regenerate import load_prompts, user_turns
-from train.rows import (
+from draftsmith.files.file_formats import FileFormatError
+from draftsmith.targets.target import resolve_target
+from draftsmith.train import regenerate as regeneration
+from draftsmith.train import rows as data
+from draftsmith.train.regenerate import load_prompts, user_turns
+from draftsmith.train.rows import (
     RowError,
     collate_causal_lm,
     load_sft_dataset,

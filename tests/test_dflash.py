@@ -8,13 +8,13 @@ import torch
 from conftest import tiny_llama
 from test_exactness import PROMPT, STEPS, VOCAB, exact_joint, worst_deviation
 
-from eval.dflash import BlockProposer
-from eval.engine import SpeculativeEngine
-from eval.sampling import SamplingParams
-from heads.dflash import DFlashConfig, DFlashDraft, block_mask, load_dflash, save_dflash
-from heads.dflash_loss import dflash_loss, row_block_weight, sample_anchors
-from heads.draft_vocab import build_draft_vocab
-from heads.target import wrap_target
+from draftsmith.eval.dflash import BlockProposer
+from draftsmith.eval.engine import SpeculativeEngine
+from draftsmith.eval.sampling import SamplingParams
+from draftsmith.heads.dflash import DFlashConfig, DFlashDraft, block_mask, load_dflash, save_dflash
+from draftsmith.heads.dflash_loss import dflash_loss, row_block_weight, sample_anchors
+from draftsmith.heads.draft_vocab import build_draft_vocab
+from draftsmith.targets.target import wrap_target
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -181,7 +181,7 @@ def test_a_published_layout_with_a_huge_block_is_refused_naming_its_file(target,
     1e9 tokens is refused naming the file, before a block is allocated."""
     import json
 
-    from layouts.dflash import export_block
+    from draftsmith.layouts.dflash import export_block
 
     artifact = save_dflash(make_draft(target), tmp_path / "a", target)
     out = export_block(artifact, "vllm", tmp_path / "vllm")
@@ -262,7 +262,7 @@ def test_the_check_catches_blocks_tested_against_the_wrong_distribution(small):
 
 
 def test_block_acceptance_equals_drafting_one_anchor_at_a_time(target):
-    from eval.block_auto import block_acceptance, choose_block_length
+    from draftsmith.eval.block_auto import block_acceptance, choose_block_length
 
     draft = make_draft(target, "dspark", 40, seed=7).train()
     gen = torch.Generator().manual_seed(5)

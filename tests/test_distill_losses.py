@@ -1,4 +1,4 @@
-"""distill.losses: every divergence against a plain float64 reference, identities, chunking,
+"""draftsmith.heads.distill_loss: every divergence against a plain float64 reference, identities, chunking,
 gradients (draft only), temperature, masks, dtypes and errors."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from distill import losses
-from distill.losses import (
+from draftsmith.heads import distill_loss as losses
+from draftsmith.heads.chunked_loss import next_token_mask
+from draftsmith.heads.distill_loss import (
     DIVERGENCES,
     argmax_agreement,
     divergence,
@@ -19,7 +20,6 @@ from distill.losses import (
     reverse_kl,
     tvd,
 )
-from heads.chunked_loss import next_token_mask
 
 VOCAB = 11
 

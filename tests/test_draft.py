@@ -1,4 +1,4 @@
-"""distill.draft: truncated copies, fresh drafts, LoRA merge, the saved directory (round trip,
+"""draftsmith.heads.distill: truncated copies, fresh drafts, LoRA merge, the saved directory (round trip,
 assisted generation, load_draft) and vocabulary / tokenizer mismatches."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from distill.draft import (
+from draftsmith.heads.distill import (
     DRAFT_INFO_KEY,
     add_lora,
     check_same_vocab,
@@ -28,8 +28,8 @@ from distill.draft import (
     save_draft,
     truncate_model,
 )
-from distill.losses import forward_kl, jsd
-from heads.target import wrap_target
+from draftsmith.heads.distill_loss import forward_kl, jsd
+from draftsmith.targets.target import wrap_target
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 CHAT_TEMPLATE = (
@@ -335,7 +335,7 @@ def test_vocabulary_and_tokenizer_mismatch_name_both(target, tokenizer, tmp_path
 @pytest.mark.slow
 def test_real_smollm2_tokenizer_draft_round_trip(tmp_path):
     """The embedded target's tokenizer with a fresh narrow draft: save, load, assist."""
-    from heads.target import load_target
+    from draftsmith.targets.target import load_target
 
     target = load_target("smollm2-135m", device="cpu", dtype="float32")
     draft = fresh_draft(target, num_layers=2, hidden_size=128, seed=0)
@@ -358,10 +358,10 @@ def test_a_draft_over_a_reduced_vocabulary_is_exact_saved_and_refused_elsewhere(
     """draft_vocab_size: the LM head keeps some rows; the other tokens get probability 0, the
     engine stays exact, the directory round-trips through load_draft and transformers refuses it
     (it would read another model), and so does every export."""
-    from eval.engine import SpeculativeEngine
-    from eval.sampling import SamplingParams
-    from layouts.draft import export_layout
-    from layouts.files import ExportOptions
+    from draftsmith.eval.engine import SpeculativeEngine
+    from draftsmith.eval.sampling import SamplingParams
+    from draftsmith.layouts.draft import export_layout
+    from draftsmith.layouts.files import ExportOptions
 
     draft = fresh_draft(target, num_layers=1, seed=3)
     full = fresh_draft(target, num_layers=1, seed=3)
@@ -396,7 +396,7 @@ def test_a_draft_over_a_reduced_vocabulary_is_exact_saved_and_refused_elsewhere(
         export_layout(out, "hf", tmp_path / "hf", ExportOptions())
 
     # exact: greedy decoding with the draft equals plain greedy decoding
-    from eval.draft import DraftModelProposer
+    from draftsmith.eval.draft import DraftModelProposer
 
     engine = SpeculativeEngine(target)
     prompt = target.chat_ids("w1 w2 w3")

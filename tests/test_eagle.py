@@ -18,11 +18,11 @@ import torch
 from conftest import tiny_llama
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eval.eagle import EagleProposer
-from eval.engine import SpeculativeEngine
-from eval.kv import crop
-from eval.sampling import SamplingParams
-from heads.eagle import (
+from draftsmith.eval.eagle import EagleProposer
+from draftsmith.eval.engine import SpeculativeEngine
+from draftsmith.eval.kv import crop
+from draftsmith.eval.sampling import SamplingParams
+from draftsmith.heads.eagle import (
     EagleConfig,
     EagleHead,
     build_draft_vocab,
@@ -31,10 +31,11 @@ from heads.eagle import (
     load_eagle,
     save_eagle,
 )
-from heads.eagle_loss import EagleLoss, eagle_loss, target_features
-from heads.target import wrap_target
-from train.accelerator import close_process_group
-from train.rows import collate_causal_lm
+from draftsmith.heads.eagle_loss import EagleLoss, eagle_loss
+from draftsmith.targets.features import target_features
+from draftsmith.targets.target import wrap_target
+from draftsmith.train.accelerator import close_process_group
+from draftsmith.train.rows import collate_causal_lm
 
 VOCAB, DRAFT_VOCAB = 96, 48
 AUX = (1, 2, 3)
@@ -279,7 +280,7 @@ def test_eagle_loss_module_trains_under_ddp(tmp_path, target, batch, maps, versi
         del ddp
         gc.collect()
     finally:
-        close_process_group()  # gloo's destructor can hang: see train.accelerator
+        close_process_group()  # gloo's destructor can hang: see draftsmith.train.accelerator
     torch.testing.assert_close(ddp_loss, loss)
     for name, p in head.named_parameters():
         torch.testing.assert_close(p.grad, plain[name], rtol=1e-12, atol=1e-14)
@@ -475,7 +476,7 @@ def test_from_artifact_takes_typed_options(tmp_path, target, heads):
 
 @pytest.mark.slow
 def test_smollm2_random_eagle3_greedy_equality():
-    from heads.target import load_target
+    from draftsmith.targets.target import load_target
 
     target = load_target("smollm2-135m", device="cpu", dtype="float32")
     question = Path(__file__).resolve().parents[1] / "data" / "eval" / "mt_bench_question.jsonl"
@@ -526,7 +527,7 @@ def test_target_features_keep_only_the_layers_the_head_reads():
 
 def test_a_head_is_refused_on_a_same_shape_target_with_other_weights(tmp_path):
     """Issue: only shapes were compared, so a head was accepted (alpha 0) on another target."""
-    from eval.bench import build_methods
+    from draftsmith.eval.bench import build_methods
 
     trained_for = wrap_target(tiny_llama(layers=5, seed=1), name="a")
     other = wrap_target(tiny_llama(layers=5, seed=2), name="a")  # same name, same shapes
@@ -555,7 +556,7 @@ def test_eagle_loss_module_takes_exactly_the_losss_options():
 def test_a_head_started_as_a_target_layer_computes_that_layer_exactly(target, maps):
     """init_layer: before training, the EAGLE-3 head at step 0 is the target's layer applied to
     the fused feature it starts from, so its output is the next layer's input, to rounding."""
-    from train.eagle_features import target_layer_weights
+    from draftsmith.train.features import target_layer_weights
 
     head = make_head(target, 3, maps).to(torch.float64)
     layer = AUX[1]

@@ -24,12 +24,13 @@ from transformers import (
 )
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from heads.eagle import EagleConfig, EagleHead, build_draft_vocab, load_eagle, save_eagle
-from heads.eagle_loss import EagleLoss, target_features
-from heads.target import wrap_target
-from layouts.eagle import load_eagle_head
-from layouts.export import export
-from layouts.table import all_formats
+from draftsmith.heads.eagle import EagleConfig, EagleHead, build_draft_vocab, load_eagle, save_eagle
+from draftsmith.heads.eagle_loss import EagleLoss
+from draftsmith.layouts.eagle import load_eagle_head
+from draftsmith.layouts.export import export
+from draftsmith.layouts.table import all_formats
+from draftsmith.targets.features import target_features
+from draftsmith.targets.target import wrap_target
 
 VOCAB, DRAFT_VOCAB, AUX = 80, 32, (1, 2, 3)
 FORMAT1 = Path(__file__).resolve().parent / "data" / "eagle_format1"

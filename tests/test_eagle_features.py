@@ -27,18 +27,18 @@ from safetensors import safe_open
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-import train.eagle_features as features_module
-from heads.eagle import EagleConfig, EagleHead, build_draft_vocab, count_tokens
-from heads.eagle_loss import eagle_loss
-from heads.eagle_loss import target_features as online_features
-from heads.target import load_target, load_target_parts, resolve_target
-from train.eagle_features import (
+import draftsmith.train.features as features_module
+from draftsmith.heads.eagle import EagleConfig, EagleHead, build_draft_vocab, count_tokens
+from draftsmith.heads.eagle_loss import eagle_loss
+from draftsmith.targets.features import target_features as online_features
+from draftsmith.targets.target import load_target, load_target_parts, resolve_target
+from draftsmith.train.features import (
     FeatureCache,
     collate_features,
     row_bytes,
     write_feature_cache,
 )
-from train.rows import collate_causal_lm
+from draftsmith.train.rows import collate_causal_lm
 
 REPO = Path(__file__).resolve().parents[1]
 WRITER = REPO / "tests" / "fixtures" / "write_features.py"

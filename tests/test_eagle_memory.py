@@ -53,9 +53,10 @@ import json, sys
 import torch
 sys.path.insert(0, {repo!r})
 from transformers import LlamaConfig, LlamaForCausalLM
-from heads.eagle import EagleConfig, EagleHead
-from heads.eagle_loss import eagle_loss, target_features
-from heads.target import wrap_target
+from draftsmith.heads.eagle import EagleConfig, EagleHead
+from draftsmith.heads.eagle_loss import eagle_loss
+from draftsmith.targets.features import target_features
+from draftsmith.targets.target import wrap_target
 
 def status(key):
     for line in open("/proc/self/status"):

@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from heads.eagle import EagleConfig, EagleHead, attention_bias, build_draft_vocab
-from heads.eagle_loss import EagleLoss, eagle_loss, target_features
-from heads.target import wrap_target
+from draftsmith.heads.eagle import EagleConfig, EagleHead, attention_bias, build_draft_vocab
+from draftsmith.heads.eagle_loss import EagleLoss, eagle_loss
+from draftsmith.targets.features import target_features
+from draftsmith.targets.target import wrap_target
 
 VOCAB, DRAFT_VOCAB, AUX = 96, 40, (1, 2, 3)
 

@@ -8,13 +8,13 @@ import pytest
 import torch
 from conftest import noisy_copy, tiny_llama
 
-from distill.draft import check_same_vocab, load_draft, truncate_model
-from eval.draft import DraftModelProposer
-from eval.engine import SpeculativeEngine
-from eval.proposers import NgramProposer, Proposer
-from eval.sampling import SamplingParams
-from eval.tree import DraftTree, build_trie
-from heads.target import wrap_target
+from draftsmith.eval.draft import DraftModelProposer
+from draftsmith.eval.engine import SpeculativeEngine
+from draftsmith.eval.proposers import NgramProposer, Proposer
+from draftsmith.eval.sampling import SamplingParams
+from draftsmith.eval.tree import DraftTree, build_trie
+from draftsmith.heads.distill import check_same_vocab, load_draft, truncate_model
+from draftsmith.targets.target import wrap_target
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], [10, 20, 30, 10, 20, 30, 10, 20], [42]]
 

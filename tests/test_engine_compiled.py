@@ -1,4 +1,4 @@
-"""The compiled engine (eval.forward) on a tiny model: the same tokens as the eager engine and
+"""The compiled engine (draftsmith.eval.forward) on a tiny model: the same tokens as the eager engine and
 as transformers, two graphs for every tree size and context, compile time counted apart."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import pytest
 import torch
 from conftest import noisy_copy, tiny_llama
 
-from eval.draft import DraftModelProposer
-from eval.engine import SpeculativeEngine
-from eval.proposers import NgramProposer
-from eval.sampling import SamplingParams
-from heads.target import wrap_target
+from draftsmith.eval.draft import DraftModelProposer
+from draftsmith.eval.engine import SpeculativeEngine
+from draftsmith.eval.proposers import NgramProposer
+from draftsmith.eval.sampling import SamplingParams
+from draftsmith.targets.target import wrap_target
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 7, 7], [10, 20, 30, 10, 20, 30, 10, 20]]
 
@@ -52,7 +52,7 @@ def test_compiled_eagle_head_keeps_two_graphs(topk, nodes):
     plain decoding's speed), and the tokens stay the eager engine's."""
     from test_engine_rounds import eagle_head
 
-    from eval.eagle import EagleProposer
+    from draftsmith.eval.eagle import EagleProposer
 
     target = wrap_target(tiny_llama(layers=4, seed=5, dtype=torch.float32), name="tiny-eagle-c")
     head = eagle_head(target, 3)

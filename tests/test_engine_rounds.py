@@ -1,6 +1,6 @@
 """A round of the engine as a serving engine runs it: at most two reads of device values on the
 host per round, for every method, greedy and sampling, counted independently of the engine's own
-choke point (eval.host) by patching every way a tensor's value reaches Python.
+choke point (draftsmith.eval.host) by patching every way a tensor's value reaches Python.
 
 On a GPU each such read waits for the device to finish the work queued before it; on this CPU
 nothing waits, so the count is what the test checks: the same code path runs on both.
@@ -14,18 +14,18 @@ import pytest
 import torch
 from conftest import noisy_copy, tiny_llama
 
-from eval.dflash import BlockProposer
-from eval.draft import DraftModelProposer
-from eval.eagle import EagleProposer
-from eval.engine import SpeculativeEngine
-from eval.host import host_reads
-from eval.medusa import MedusaProposer
-from eval.proposers import NgramProposer, Proposer
-from eval.sampling import SamplingParams
-from heads.dflash import DFlashConfig, DFlashDraft
-from heads.eagle import EagleConfig, EagleHead, build_draft_vocab
-from heads.medusa import MedusaConfig, MedusaHeads
-from heads.target import wrap_target
+from draftsmith.eval.dflash import BlockProposer
+from draftsmith.eval.draft import DraftModelProposer
+from draftsmith.eval.eagle import EagleProposer
+from draftsmith.eval.engine import SpeculativeEngine
+from draftsmith.eval.host import host_reads
+from draftsmith.eval.medusa import MedusaProposer
+from draftsmith.eval.proposers import NgramProposer, Proposer
+from draftsmith.eval.sampling import SamplingParams
+from draftsmith.heads.dflash import DFlashConfig, DFlashDraft
+from draftsmith.heads.eagle import EagleConfig, EagleHead, build_draft_vocab
+from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
+from draftsmith.targets.target import wrap_target
 
 # every way a tensor's value becomes a Python value (each a device-to-host copy on a GPU)
 READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu")

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from distill.draft import load_draft
-from eval.draft import DraftModelProposer
-from eval.engine import SpeculativeEngine
-from eval.proposers import NgramProposer
-from eval.sampling import SamplingParams
+from draftsmith.eval.draft import DraftModelProposer
+from draftsmith.eval.engine import SpeculativeEngine
+from draftsmith.eval.proposers import NgramProposer
+from draftsmith.eval.sampling import SamplingParams
+from draftsmith.heads.distill import load_draft
 
 pytestmark = pytest.mark.slow
 PROMPTS = Path(__file__).resolve().parents[1] / "data" / "eval" / "mt_bench_question.jsonl"
@@ -20,7 +20,7 @@ PROMPTS = Path(__file__).resolve().parents[1] / "data" / "eval" / "mt_bench_ques
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from heads.target import load_target
+    from draftsmith.targets.target import load_target
 
     torch.set_num_threads(2)
     target = load_target("smollm2-135m")
@@ -58,7 +58,7 @@ def test_sampling_runs_and_is_reproducible(smollm2, prompt_ids):
 
 
 def test_the_shipped_eagle_head_loads_for_the_embedded_target_and_stays_exact(smollm2, prompt_ids):
-    from eval.eagle import EagleProposer
+    from draftsmith.eval.eagle import EagleProposer
 
     shipped = Path(__file__).resolve().parents[1] / "artifacts" / "smollm2-135m" / "eagle3"
     proposer = EagleProposer.from_artifact(shipped, smollm2, depth=2, topk=3, tree_nodes=4,
@@ -73,7 +73,7 @@ def test_the_shipped_eagle_head_loads_for_the_embedded_target_and_stays_exact(sm
 
 def test_the_shipped_distilled_draft_takes_the_targets_embedding_and_stays_exact(smollm2,
                                                                                   prompt_ids):
-    from heads.file_formats import read_json_object
+    from draftsmith.files.file_formats import read_json_object
 
     shipped = Path(__file__).resolve().parents[1] / "artifacts" / "smollm2-135m" / "draft"
     info = read_json_object(shipped / "config.json", fix="")["draftsmith"]

@@ -15,13 +15,13 @@ import pytest
 import torch
 from conftest import noisy_copy, tiny_llama
 
-import eval.engine as engine_module
-from eval.acceptance import TreeOutcome, verify_chain, verify_tree
-from eval.draft import DraftModelProposer
-from eval.engine import SpeculativeEngine
-from eval.sampling import SamplingParams, warp
-from eval.tree import DraftTree
-from heads.target import wrap_target
+import draftsmith.eval.engine as engine_module
+from draftsmith.eval.acceptance import TreeOutcome, verify_chain, verify_tree
+from draftsmith.eval.draft import DraftModelProposer
+from draftsmith.eval.engine import SpeculativeEngine
+from draftsmith.eval.sampling import SamplingParams, warp
+from draftsmith.eval.tree import DraftTree
+from draftsmith.targets.target import wrap_target
 
 
 def z_for(cells: int, family_alpha: float = 1e-3) -> float:

@@ -17,16 +17,22 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from heads.eagle import EagleConfig, EagleHead, attention_bias, build_draft_vocab, save_eagle
-from heads.eagle_loss import target_features
-from heads.medusa import MedusaHeads, save_medusa
-from heads.output_dir import MARKER
-from heads.target import wrap_target
-from layouts.eagle import load_eagle_head
-from layouts.export import export, main
-from layouts.files import recorded_hub_id
-from layouts.medusa import load_medusa_export, load_medusa_heads, trtllm_convert_command
-from layouts.table import all_formats
+from draftsmith.files.output_dir import MARKER
+from draftsmith.heads.eagle import (
+    EagleConfig,
+    EagleHead,
+    attention_bias,
+    build_draft_vocab,
+    save_eagle,
+)
+from draftsmith.heads.medusa import MedusaHeads, save_medusa
+from draftsmith.layouts.eagle import load_eagle_head
+from draftsmith.layouts.export import export, main
+from draftsmith.layouts.files import recorded_hub_id
+from draftsmith.layouts.medusa import load_medusa_export, load_medusa_heads, trtllm_convert_command
+from draftsmith.layouts.table import all_formats
+from draftsmith.targets.features import target_features
+from draftsmith.targets.target import wrap_target
 
 VOCAB, DRAFT_VOCAB, AUX = 80, 24, (1, 2, 3)
 

@@ -1,4 +1,4 @@
-"""One error at every file boundary (heads.file_formats.FileFormatError): a damaged artifact,
+"""One error at every file boundary (draftsmith.files.file_formats.FileFormatError): a damaged artifact,
 draft or published layout names the file, what is wrong and what to do; a draft directory is
 written as a marked artifact and never replaces what draftsmith did not write."""
 
@@ -15,13 +15,13 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from distill.draft import load_draft, read_draft_info, save_draft
-from heads.artifact import load_artifact, read_artifact_config
-from heads.file_formats import FileFormatError, load_safetensors, read_json_object
-from heads.medusa import MedusaHeads, load_medusa, save_medusa
-from heads.output_dir import read_marker
-from heads.target import wrap_target
-from layouts.medusa import export_medusa, load_medusa_export
+from draftsmith.files.file_formats import FileFormatError, load_safetensors, read_json_object
+from draftsmith.files.output_dir import read_marker
+from draftsmith.heads.artifact import load_artifact, read_artifact_config
+from draftsmith.heads.distill import load_draft, read_draft_info, save_draft
+from draftsmith.heads.medusa import MedusaHeads, load_medusa, save_medusa
+from draftsmith.layouts.medusa import export_medusa, load_medusa_export
+from draftsmith.targets.target import wrap_target
 
 VOCAB = 40
 

@@ -25,9 +25,9 @@ from safetensors.torch import load_file, save_file
 from test_checkpoints import run, steps_of
 from test_target import llama, save_model_dir
 
-from heads.artifact import load_artifact, save_artifact
-from heads.artifact import main as artifact_main
-from heads.target import load_target, wrap_target
+from draftsmith.heads.artifact import load_artifact, save_artifact
+from draftsmith.heads.artifact import main as artifact_main
+from draftsmith.targets.target import load_target, wrap_target
 
 REPO = Path(__file__).resolve().parents[1]
 toy, one_thread = test_checkpoints.toy, test_checkpoints.one_thread
@@ -48,7 +48,7 @@ def snapshot(directory: Path) -> dict:
 
 
 def test_1_regenerate_refuses_a_foreign_out_file_before_touching_it(tmp_path):
-    from train.regenerate import regenerate
+    from draftsmith.train.regenerate import regenerate
 
     prompts = [[{"role": "user", "content": "hi"}]]
     mine = tmp_path / "mine.json"
@@ -68,7 +68,7 @@ def test_1_regenerate_refuses_a_foreign_out_file_before_touching_it(tmp_path):
 
 
 def test_2_cast_never_replaces_another_runs_artifact(tmp_path):
-    from heads.artifact import cast_artifact
+    from draftsmith.heads.artifact import cast_artifact
 
     source = artifact(tmp_path / "runA" / "artifact", 1.0)
     other = artifact(tmp_path / "runB" / "artifact", 2.0)
@@ -94,7 +94,7 @@ def test_3_cast_never_deletes_its_source_or_a_directory_holding_it(tmp_path, cap
 
 
 def test_4_cast_of_a_medusa2_artifact_copies_its_adapted_target(tmp_path):
-    from heads.artifact import cast_artifact
+    from draftsmith.heads.artifact import cast_artifact
 
     source = tmp_path / "run" / "artifact"
     save_artifact(source, "medusa", {"base_model": str((source / "target").resolve()),
@@ -109,8 +109,8 @@ def test_4_cast_of_a_medusa2_artifact_copies_its_adapted_target(tmp_path):
 
 
 def test_5_a_report_path_onto_an_input_is_refused_before_the_run(tmp_path):
-    from eval.report import check_report_out
-    from heads.output_dir import named_paths
+    from draftsmith.eval.report import check_report_out
+    from draftsmith.files.output_dir import named_paths
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"turns": ["hi"]}\n')
@@ -122,13 +122,13 @@ def test_5_a_report_path_onto_an_input_is_refused_before_the_run(tmp_path):
             check_report_out(out, inputs=inputs)
     mine = tmp_path / "notes.json"
     mine.write_text('{"mine": true}')
-    with pytest.raises(ValueError, match="not an earlier eval.bench report.*--overwrite"):
+    with pytest.raises(ValueError, match="not an earlier draftsmith.eval.bench report.*--overwrite"):
         check_report_out(mine, inputs=inputs)
     assert check_report_out(tmp_path / "new.json", inputs=inputs) == (tmp_path / "new.json")
 
 
 def test_5_bench_out_onto_its_prompts_file_is_refused(tmp_path):
-    from eval.bench import parse_args
+    from draftsmith.eval.bench import parse_args
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"turns": ["hi"]}\n')
@@ -139,7 +139,7 @@ def test_5_bench_out_onto_its_prompts_file_is_refused(tmp_path):
 
 
 def test_6_report_never_replaces_its_metrics_input(tmp_path, capsys):
-    from eval.report import main as report_main
+    from draftsmith.eval.report import main as report_main
 
     metrics = tmp_path / "run" / "metrics.jsonl"
     metrics.parent.mkdir()
@@ -172,7 +172,7 @@ def test_7_a_users_config_yaml_in_output_dir_is_never_replaced(toy, tmp_path):
 
 
 def test_8_distillation_weights_count_long_int8_masks_exactly():
-    from train.distill import planned_sizes
+    from draftsmith.train.distill import planned_sizes
 
     mask = torch.ones(200, dtype=torch.int8)  # an int8 sum of 200 ones is -56
     rows = [{"prompt_ids": torch.zeros(5, dtype=torch.int32),
@@ -181,13 +181,13 @@ def test_8_distillation_weights_count_long_int8_masks_exactly():
     cfg = SimpleNamespace(max_length=512, on_policy_max_new_tokens=16, on_policy_ratio=0.0)
     assert planned_sizes(rows, cfg) == ([205], [200])
 
-    from train.batches import scored_tokens
+    from draftsmith.train.batches import scored_tokens
 
     assert scored_tokens(mask) == scored_tokens(mask.tolist()) == 200
 
 
 def test_9_a_change_to_any_single_layer_is_caught(tmp_path):
-    from heads.medusa import MedusaHeads, load_medusa, save_medusa
+    from draftsmith.heads.medusa import MedusaHeads, load_medusa, save_medusa
 
     base = llama(layers=4)
     target = wrap_target(base, name="t")
@@ -210,7 +210,7 @@ def test_9_a_change_to_any_single_layer_is_caught(tmp_path):
 
 
 def test_9_the_full_digest_is_computed_once_per_target_directory(tmp_path, monkeypatch):
-    from heads import target as target_module
+    from draftsmith.targets import target as target_module
 
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
     directory = save_model_dir(tmp_path / "model", llama())
@@ -230,8 +230,8 @@ def test_9_the_full_digest_is_computed_once_per_target_directory(tmp_path, monke
 
 @pytest.mark.slow
 def test_9_artifacts_with_only_the_old_fingerprint_still_load(tmp_path):
-    from heads.eagle import load_eagle
-    from heads.medusa import load_medusa
+    from draftsmith.heads.eagle import load_eagle
+    from draftsmith.heads.medusa import load_medusa
 
     target = load_target("smollm2-135m", device="cpu")
     for name, load in (("eagle3", load_eagle), ("medusa", load_medusa)):
@@ -247,7 +247,7 @@ def test_9_artifacts_with_only_the_old_fingerprint_still_load(tmp_path):
 
 
 def test_10_no_artifact_or_checkpoint_from_diverged_weights(toy, tmp_path, monkeypatch):
-    from train import loop
+    from draftsmith.train import loop
 
     with pytest.raises(ValueError, match=r"'learning_rate' must be in \(0, 1\], got 1e\+30 "
                                          r"\(AdamW moves every weight"):
@@ -256,7 +256,7 @@ def test_10_no_artifact_or_checkpoint_from_diverged_weights(toy, tmp_path, monke
         artifact(tmp_path / "nan", float("nan"))
     assert not (tmp_path / "nan").exists()
 
-    from heads.artifact import NonFiniteWeights
+    from draftsmith.heads.artifact import NonFiniteWeights
 
     # the loss guard off: the weights themselves are checked before a checkpoint is written
     monkeypatch.setattr(loop, "_check_finite", lambda *a: None)
@@ -266,8 +266,8 @@ def test_10_no_artifact_or_checkpoint_from_diverged_weights(toy, tmp_path, monke
 
 
 def test_11_an_artifact_config_of_the_wrong_type_exports_nothing(tmp_path, capsys):
-    from heads.eagle import EagleConfig, EagleHead, save_eagle
-    from layouts.export import main as export_main
+    from draftsmith.heads.eagle import EagleConfig, EagleHead, save_eagle
+    from draftsmith.layouts.export import main as export_main
 
     target = wrap_target(llama(), name="t")
     torch.manual_seed(0)
@@ -316,7 +316,7 @@ def test_13_a_checkpoint_with_nan_weights_is_damaged_and_the_previous_one_offere
 def test_15_a_damaged_tokenisation_cache_is_named_and_rebuilt(toy, tmp_path, capsys, monkeypatch):
     import datasets
 
-    from train.rows import load_sft_dataset
+    from draftsmith.train.rows import load_sft_dataset
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"messages": [
@@ -377,10 +377,10 @@ def test_18_resume_with_the_same_data_spelled_otherwise(toy, tmp_path, monkeypat
 
 
 def test_an_export_killed_mid_write_leaves_nothing_after_the_next_write(tmp_path):
-    from heads.output_dir import write_dir
+    from draftsmith.files.output_dir import write_dir
 
     out = tmp_path / "export"
-    script = (f"import os, signal\nfrom heads.output_dir import write_dir\n"
+    script = (f"import os, signal\nfrom draftsmith.files.output_dir import write_dir\n"
               f"def fill(tmp):\n    (tmp / 'a').write_text('x')\n"
               f"    os.kill(os.getpid(), signal.SIGKILL)\n"
               f"write_dir({str(out)!r}, fill, kind='export')\n")
@@ -392,13 +392,13 @@ def test_an_export_killed_mid_write_leaves_nothing_after_the_next_write(tmp_path
 
 
 def test_printed_commands_are_shell_quoted():
-    from heads.command_line import shell_command
+    from draftsmith.files.command_line import shell_command
 
-    assert shell_command("python", "-m", "eval.bench", "--method", "eagle:/my runs/a'b") == \
-        "python -m eval.bench --method 'eagle:/my runs/a'\"'\"'b'"
+    assert shell_command("python", "-m", "draftsmith.eval.bench", "--method", "eagle:/my runs/a'b") == \
+        "python -m draftsmith.eval.bench --method 'eagle:/my runs/a'\"'\"'b'"
     for trainer in ("eagle", "medusa", "distill"):
         source = (REPO / "train" / f"{trainer}.py").read_text()
-        assert "python -m eval.bench --target {" not in source, trainer  # an unquoted f-string
+        assert "python -m draftsmith.eval.bench --target {" not in source, trainer  # an unquoted f-string
 
 
 @pytest.mark.parametrize("script, argv", [

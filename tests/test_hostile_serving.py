@@ -21,10 +21,10 @@ from types import SimpleNamespace
 import gguf
 import pytest
 
-import eval.bench as bench
-from layouts.export import main as export_main
-from layouts.gguf import remove_stale_scratch, written_by_draftsmith
-from layouts.llama_cpp import (
+import draftsmith.eval.bench as bench
+from draftsmith.layouts.export import main as export_main
+from draftsmith.layouts.gguf import remove_stale_scratch, written_by_draftsmith
+from draftsmith.layouts.llama_cpp import (
     BUILD_COMMAND,
     WRITER,
     WRITER_KEY,
@@ -276,7 +276,7 @@ def draft_dir(tmp_path_factory, the_converter):
     from test_llama_cpp import tiny_llama_dir
     from transformers import AutoTokenizer
 
-    from heads.target import resolve_target
+    from draftsmith.targets.target import resolve_target
 
     root = tmp_path_factory.mktemp("draft")
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_target("smollm2-135m")))
@@ -343,7 +343,7 @@ def test_a_signal_to_the_llama_benchmark_stops_every_server(llama_server, tmp_pa
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     work = tmp_path / "work"
-    command = [sys.executable, "-m", "eval.bench", "--engine", "llama.cpp", "--target",
+    command = [sys.executable, "-m", "draftsmith.eval.bench", "--engine", "llama.cpp", "--target",
                "smollm2-135m", "--method", "plain", "--method", "ngram:ngram-simple",
                "--prompts", str(questions), "--max-new-tokens", "400", "--warmup", "0",
                "--threads", "1", "--no-progress", "--out", str(tmp_path / "r.json")]
@@ -376,8 +376,8 @@ def test_a_signal_to_the_llama_benchmark_stops_every_server(llama_server, tmp_pa
 
 
 def test_ctrl_c_while_a_server_loads_leaves_no_server(llama_server, tmp_path, monkeypatch):
-    from eval.llama_bench import ServeContext, serve_methods
-    from heads.target import embedded_gguf_path
+    from draftsmith.eval.llama_bench import ServeContext, serve_methods
+    from draftsmith.targets.target import embedded_gguf_path
 
     started = []
     real_start = LlamaServer.start

@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eval.methods import BENCH_METHODS
-from heads.methods import HEAD_METHODS
-from layouts.table import LAYOUTS
-from train.recipes import TRAINERS
+from draftsmith.eval.methods import BENCH_METHODS
+from draftsmith.heads.methods import HEAD_METHODS
+from draftsmith.layouts.table import LAYOUTS
+from draftsmith.train.recipes import TRAINERS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,17 +33,25 @@ def _fixture(name: str):
 toy_method = _fixture("toy_method")
 byte_tokenizer = _fixture("toy_train").byte_tokenizer
 # lowest first: a module imports from its own floor or the ones below, never above
-FLOORS = ("heads", "distill", "layouts", "eval", "train", "draftsmith")
+FLOORS = ("files", "targets", "heads", "layouts", "eval", "train", "draftsmith")
 MAX_LINES = 800
 
 
 def project_modules() -> dict[str, Path]:
     modules = {}
     for floor in FLOORS:
+        package = "draftsmith" if floor == "draftsmith" else f"draftsmith.{floor}"
         for path in sorted((REPO / floor).glob("*.py")):
-            name = floor if path.stem == "__init__" else f"{floor}.{path.stem}"
+            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
             modules[name] = path
     return modules
+
+
+def floor_of(module: str) -> int:
+    """A module's floor, lowest 0: ``draftsmith.heads.eagle`` -> heads; ``draftsmith.cli`` ->
+    the top."""
+    parts = module.split(".")
+    return FLOORS.index(parts[1] if len(parts) > 1 and parts[1] in FLOORS[:-1] else "draftsmith")
 
 
 def _is_main_guard(node: ast.AST) -> bool:
@@ -121,29 +129,28 @@ def test_the_reader_finds_a_circle_when_there_is_one():
 def test_imports_point_down_the_floors_only():
     upward = []
     for module, imported in graph().items():
-        mine = FLOORS.index(module.split(".")[0])
-        upward += [f"{module} -> {other}" for other in imported
-                   if FLOORS.index(other.split(".")[0]) > mine]
+        mine = floor_of(module)
+        upward += [f"{module} -> {other}" for other in imported if floor_of(other) > mine]
     assert upward == []
 
 
 def test_the_reader_counts_guarded_and_function_level_imports(tmp_path):
     """An import under ``if __name__ == "__main__":`` or inside a function is an arrow."""
     source = tmp_path / "m.py"
-    source.write_text("def f():\n    from train.loop import run_training\n\n"
-                      "if __name__ == '__main__':\n    import eval.bench\n")
-    assert imports_of(source, {"train.loop": source, "eval.bench": source}) == \
-        {"train.loop", "eval.bench"}
+    source.write_text("def f():\n    from draftsmith.train.loop import run_training\n\n"
+                      "if __name__ == '__main__':\n    import draftsmith.eval.bench\n")
+    assert imports_of(source, {"draftsmith.train.loop": source, "draftsmith.eval.bench": source}) == \
+        {"draftsmith.train.loop", "draftsmith.eval.bench"}
 
 
 def test_train_data_is_only_the_commands_name():
-    """python -m train.data stays for users: train/data.py holds a docstring and the guard that
+    """python -m draftsmith.train.data stays for users: train/data.py holds a docstring and the guard that
     runs the command (train/regenerate.py); nothing imports it."""
     tree = ast.parse((REPO / "train" / "data.py").read_text())
     body = [n for n in tree.body if not (isinstance(n, ast.Expr)
                                          and isinstance(n.value, ast.Constant))]
     assert len(body) == 1 and _is_main_guard(body[0])
-    assert not any("train.data" in imported for imported in
+    assert not any("draftsmith.train.data" in imported for imported in
                    set().union(*graph().values()))
 
 
@@ -207,10 +214,10 @@ def skip_files(tmp_path, trainer_env):
 
 def test_a_new_method_needs_only_a_row_in_each_floors_table(skip_rows, skip_files, tmp_path,
                                                             capsys):
-    from eval import bench
-    from layouts import export
-    from train import memory, speed
-    from train.config import parse_config
+    from draftsmith.eval import bench
+    from draftsmith.layouts import export
+    from draftsmith.train import memory, speed
+    from draftsmith.train.config import parse_config
 
     config = str(skip_files["config"])
     # train: the memory estimate and the speed tool find the trainer in the table

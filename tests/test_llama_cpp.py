@@ -17,16 +17,21 @@ import torch
 from conftest import noisy_copy
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from eval.engine import SpeculativeEngine
-from eval.llama_bench import chain_rounds
-from eval.sampling import SamplingParams
-from heads.dflash import DFlashConfig, DFlashDraft, save_dflash
-from heads.dflash_loss import dflash_loss, sample_anchors
-from heads.eagle import EagleConfig, EagleHead, build_draft_vocab, count_tokens, save_eagle
-from heads.eagle_loss import eagle_loss, target_features
-from heads.target import load_target, resolve_target
-from layouts.export import main as export_main
-from layouts.llama_cpp import (
+from draftsmith.eval.engine import SpeculativeEngine
+from draftsmith.eval.llama_bench import chain_rounds
+from draftsmith.eval.sampling import SamplingParams
+from draftsmith.heads.dflash import DFlashConfig, DFlashDraft, save_dflash
+from draftsmith.heads.dflash_loss import dflash_loss, sample_anchors
+from draftsmith.heads.eagle import (
+    EagleConfig,
+    EagleHead,
+    build_draft_vocab,
+    count_tokens,
+    save_eagle,
+)
+from draftsmith.heads.eagle_loss import eagle_loss
+from draftsmith.layouts.export import main as export_main
+from draftsmith.layouts.llama_cpp import (
     BUILD_COMMAND,
     LlamaServer,
     check_server,
@@ -37,6 +42,8 @@ from layouts.llama_cpp import (
     isa_options,
     smoke_test,
 )
+from draftsmith.targets.features import target_features
+from draftsmith.targets.target import load_target, resolve_target
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = ["Name three red fruits.", "What is the capital of France?", "Count from one to ten."]
@@ -209,7 +216,7 @@ def test_llama_server_decodes_greedily_as_plain_and_accepts_as_our_engine(files,
         if not draft.exists():
             export_main([str(root / "eagle3"), "--format", "gguf", "--out", str(draft),
                          "--gguf-type", "f32", "--target", str(root / "target")])
-        from eval.eagle import EagleProposer
+        from draftsmith.eval.eagle import EagleProposer
 
         ours = EagleProposer.from_artifact(str(root / "eagle3"), target, depth=3, topk=1,
                                            tree_nodes=3)
@@ -219,7 +226,7 @@ def test_llama_server_decodes_greedily_as_plain_and_accepts_as_our_engine(files,
         if not draft.exists():
             export_main([str(root / kind), "--format", "gguf", "--out", str(draft),
                          "--gguf-type", "f32", "--target", str(root / "target")])
-        from eval.dflash import BlockProposer
+        from draftsmith.eval.dflash import BlockProposer
 
         ours = BlockProposer.from_artifact(str(root / kind), target, block_size=3)
         spec = "draft-dspark" if kind == "dspark" else "draft-dflash"
@@ -228,8 +235,8 @@ def test_llama_server_decodes_greedily_as_plain_and_accepts_as_our_engine(files,
         if not draft.exists():
             export_main([str(root / "draft"), "--format", "gguf", "--out", str(draft),
                          "--gguf-type", "f32"])
-        from distill.draft import load_draft
-        from eval.draft import DraftModelProposer
+        from draftsmith.eval.draft import DraftModelProposer
+        from draftsmith.heads.distill import load_draft
 
         ours = DraftModelProposer(load_draft(str(root / "draft"), target), max_depth=3,
                                   min_confidence=0.0)
@@ -287,7 +294,7 @@ def test_a_server_without_the_spec_type_or_that_dies_is_one_clear_line(files, tm
 
 
 def test_the_benchmark_in_llama_cpp_stops_every_server(files, tmp_path, capsys):
-    from eval import bench
+    from draftsmith.eval import bench
 
     questions = tmp_path / "q.jsonl"
     questions.write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in PROMPTS))
@@ -327,7 +334,7 @@ EPYC_AVX2 = "flags\t\t: fpu sse2 avx f16c fma bmi2 avx2 avx512f\n"  # AVX512 onl
 
 
 def test_the_build_is_portable_and_never_uses_amx():
-    from layouts.llama_cpp import cpu_flags
+    from draftsmith.layouts.llama_cpp import cpu_flags
 
     xeon = dict(o[2:].split("=") for o in isa_options("x86_64", cpu_flags(XEON_AMX)))
     assert xeon["GGML_NATIVE"] == "OFF"  # no -march=native: nothing this CPU lacks, no AMX
@@ -374,5 +381,5 @@ def test_the_built_server_passes_its_smoke_test_and_a_crashing_one_fails_it(serv
     monkeypatch.setenv("LLAMA_SERVER", str(server))
     assert find_llama_server(("draft-eagle3",)) == server
     calls = []
-    monkeypatch.setattr("layouts.llama_cpp.smoke_test", lambda s: calls.append(s))
+    monkeypatch.setattr("draftsmith.layouts.llama_cpp.smoke_test", lambda s: calls.append(s))
     assert find_llama_server(("draft-eagle3",)) == server and calls == []

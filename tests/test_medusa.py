@@ -13,15 +13,20 @@ from medusa_reference import medusa_loss, rank_hits
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eval.acceptance import TreeOutcome
-from eval.engine import SpeculativeEngine
-from eval.medusa import MedusaProposer, MedusaTree, TypicalMedusaProposer, typical_acceptance
-from eval.sampling import SamplingParams, warp
-from eval.tree import DraftTree
-from eval.tree_auto import choose_tree_nodes, plan_medusa_tree, size_medusa_tree
-from eval.tree_cost import measure_head_cost, measure_verify_cost
-from heads.draft_vocab import build_draft_vocab, count_tokens
-from heads.medusa import (
+from draftsmith.eval.acceptance import TreeOutcome
+from draftsmith.eval.engine import SpeculativeEngine
+from draftsmith.eval.medusa import (
+    MedusaProposer,
+    MedusaTree,
+    TypicalMedusaProposer,
+    typical_acceptance,
+)
+from draftsmith.eval.sampling import SamplingParams, warp
+from draftsmith.eval.tree import DraftTree
+from draftsmith.eval.tree_auto import choose_tree_nodes, plan_medusa_tree, size_medusa_tree
+from draftsmith.eval.tree_cost import measure_head_cost, measure_verify_cost
+from draftsmith.heads.draft_vocab import build_draft_vocab, count_tokens
+from draftsmith.heads.medusa import (
     MedusaConfig,
     MedusaHeads,
     accuracy_metrics,
@@ -31,16 +36,16 @@ from heads.medusa import (
     save_medusa,
     topk_accuracy,
 )
-from heads.medusa_tree import (
+from draftsmith.heads.medusa_tree import (
     build_medusa_tree,
     check_tree,
     choose_tree,
     expected_tau,
     grow_medusa_tree,
 )
-from heads.target import wrap_target
-from layouts.export import export as export_any
-from layouts.medusa import export_medusa, load_medusa_export, load_medusa_heads
+from draftsmith.layouts.export import export as export_any
+from draftsmith.layouts.medusa import export_medusa, load_medusa_export, load_medusa_heads
+from draftsmith.targets.target import wrap_target
 
 
 def small_target(vocab: int, seed: int = 0, std: float = 0.02, name: str = "tiny"):
@@ -202,7 +207,7 @@ def test_draft_heads_project_onto_the_targets_rows_and_map_through_d2t(target32,
     dropped = torch.nonzero(~t2d).flatten()
     assert (heads.target_to_draft(dropped) == -1).all()
     # the search over kept ids (no vocabulary-sized temporary) agrees with the running count
-    from heads.draft_vocab import target_to_draft
+    from draftsmith.heads.draft_vocab import target_to_draft
     every = torch.arange(t2d.numel()).reshape(2, -1)
     assert torch.equal(target_to_draft(t2d, every, heads.d2t), target_to_draft(t2d, every))
     names = set(heads.state_dict())
@@ -889,7 +894,7 @@ def test_a_vllm_export_with_full_rows_and_an_unsorted_token_map_reads_back(targe
 
 @pytest.mark.slow
 def test_smollm2_greedy_with_identity_started_heads(tmp_path):
-    from heads.target import load_target
+    from draftsmith.targets.target import load_target
 
     target = load_target("smollm2-135m", device="cpu", dtype="float32")
     heads = MedusaHeads.from_target(target, num_heads=4, share_lm_head=True)
@@ -910,7 +915,7 @@ def test_smollm2_greedy_with_identity_started_heads(tmp_path):
     save_medusa(tmp_path / "a", heads, target, tree=tree)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"turns": ["Name a primary colour."]}) + "\n")
-    from eval.bench import main as bench
+    from draftsmith.eval.bench import main as bench
 
     records = bench(["--target", "smollm2-135m", "--method", "plain",
                      "--method", f"medusa:{tmp_path / 'a'}", "--prompts", str(prompts),
@@ -929,7 +934,7 @@ def test_choose_tree_is_the_one_entry_for_trainer_and_evaluator(target32):
     chain, info = choose_tree(None, num_heads=3, tree_nodes=8)
     assert chain == [(0,), (0, 0), (0, 0, 0)] and "no held-out" in info["note"]
     with pytest.raises(ValueError, match="sized by this machine's measured costs"):
-        choose_tree(acc, 2, "auto")  # the size by cost is the tree sizing's (eval.tree_auto)
+        choose_tree(acc, 2, "auto")  # the size by cost is the tree sizing's (draftsmith.eval.tree_auto)
     with pytest.raises(ValueError, match="pass target= and heads="):
         size_medusa_tree(acc, 2, "auto")
     assert size_medusa_tree(acc, 2, 4) == choose_tree(acc, 2, 4)

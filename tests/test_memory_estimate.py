@@ -13,9 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from train.eagle import EagleTrainConfig
-from train.estimate import DoesNotFit, Shape
-from train.memory import estimate
+from draftsmith.train.eagle import EagleTrainConfig
+from draftsmith.train.estimate import DoesNotFit, Shape
+from draftsmith.train.memory import estimate
 
 REPO = Path(__file__).resolve().parents[1]
 REPORT = REPO / "reports" / "memory_growth.json"
@@ -91,7 +91,7 @@ def test_the_estimate_covers_eagle_packing_and_its_attention_at_the_tests_width(
 
 
 def test_a_decoder_layer_matches_its_shape_count():
-    from train.estimate import LAYER_FACTOR
+    from draftsmith.train.estimate import LAYER_FACTOR
 
     layers = {}
     for row in json.loads(REPORT.read_text())["measurements"]:
@@ -109,7 +109,7 @@ def test_a_decoder_layer_matches_its_shape_count():
 
 
 def test_the_8b_recipes_fit_an_80gb_gpu_and_the_full_vocabulary_does_not_at_a_huge_budget():
-    from train.config import parse_config
+    from draftsmith.train.config import parse_config
 
     root = Path(__file__).resolve().parents[1]
     llama = WIDTHS["llama-3.1-8b"]
@@ -123,8 +123,8 @@ def test_the_8b_recipes_fit_an_80gb_gpu_and_the_full_vocabulary_does_not_at_a_hu
 
 
 def test_the_8b_block_drafts_fit_and_their_blocks_are_counted_honestly():
-    from train.config import parse_config
-    from train.dflash import DFlashTrainConfig
+    from draftsmith.train.config import parse_config
+    from draftsmith.train.dflash import DFlashTrainConfig
 
     root = Path(__file__).resolve().parents[1]
     llama = WIDTHS["llama-3.1-8b"]
@@ -149,7 +149,7 @@ def test_the_8b_block_drafts_fit_and_their_blocks_are_counted_honestly():
 
 
 def test_a_run_that_cannot_fit_is_refused_before_the_target_loads(tmp_path, monkeypatch):
-    import train.eagle as trainer
+    import draftsmith.train.eagle as trainer
 
     target = tmp_path / "target"
     target.mkdir()  # config.json alone: the estimate needs no weights
@@ -162,7 +162,7 @@ def test_a_run_that_cannot_fit_is_refused_before_the_target_loads(tmp_path, monk
     def never(*args, **kwargs):
         raise AssertionError("the target was loaded before the memory check")
 
-    import train.eagle_features as features
+    import draftsmith.train.features as features
 
     monkeypatch.setattr(features, "load_feature_target", never)
     monkeypatch.setattr(trainer, "load_feature_target", never)
@@ -184,7 +184,7 @@ def test_a_run_that_cannot_fit_is_refused_before_the_target_loads(tmp_path, monk
 def test_shipped_shapes_count_the_published_parameters(hub_id, billions):
     """data/target_configs/ stands in for a model not downloaded: its shapes give the parameter
     count each model card states (embedding, layers, final norm and an untied LM head)."""
-    from train.estimate import model_shape
+    from draftsmith.train.estimate import model_shape
 
     shape = model_shape(hub_id)
     params = (shape.vocab * shape.hidden * (1 if shape.tied else 2)
@@ -196,9 +196,9 @@ def test_shipped_shapes_count_the_published_parameters(hub_id, billions):
     str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*/*.yaml")
     if "8b" in p.name or "70b" in p.name))
 def test_every_shipped_large_recipe_is_estimated_before_any_download(config, capsys):
-    """python -m train.memory prints each 8B / 70B recipe's estimate from the shipped shapes
+    """python -m draftsmith.train.memory prints each 8B / 70B recipe's estimate from the shipped shapes
     alone, and the recipe fits one 80 GB GPU of eight as the README's table says."""
-    from train.memory import main
+    from draftsmith.train.memory import main
 
     extra = ["--fsdp2"] if "dflash/llama-3.3-70b" in config else []
     est = main(["--config", str(REPO / config), "--processes", "8", *extra])

@@ -1,5 +1,5 @@
 """The memory planner against what a step really allocates (train/memory_probe.py), and the
-distillation loss scored from hidden states a chunk at a time (distill/projected.py).
+distillation loss scored from hidden states a chunk at a time (heads/distill_projected.py).
 
 The planner's terms are checked against the tensors a real training step holds: the frozen
 target's weights byte for byte, the trained parameters one for one, and the peak within 10% on
@@ -20,10 +20,10 @@ import pytest
 import torch
 from torch import nn
 
-from distill.draft import DraftVocabHead
-from distill.losses import DIVERGENCES, argmax_agreement, divergence, tvd
-from distill.projected import projected_divergence
-from train.memory_probe import allocation_peak, cpu_allocation_peak
+from draftsmith.heads.distill import DraftVocabHead
+from draftsmith.heads.distill_loss import DIVERGENCES, argmax_agreement, divergence, tvd
+from draftsmith.heads.distill_projected import projected_divergence
+from draftsmith.train.memory_probe import allocation_peak, cpu_allocation_peak
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1024 ** 3
@@ -182,7 +182,7 @@ def test_projected_divergence_never_holds_the_whole_logits():
 def _tiny_run_files(root: Path) -> dict:
     from test_train_eagle import conversation, save_tiny_target, write_jsonl
 
-    from heads.target import load_target
+    from draftsmith.targets.target import load_target
 
     tokenizer = load_target("smollm2-135m").tokenizer
     rng = random.Random(0)
@@ -206,7 +206,7 @@ def test_each_planned_term_matches_the_step_on_a_tiny_target(trainer, tmp_path):
     """One step of each trainer on a tiny random target, measured by the allocator: the plan's
     frozen target is its bytes, its trained parameters the module's, and its peak is never
     short of the measured one by more than 10%."""
-    from train.memory_probe import probe
+    from draftsmith.train.memory_probe import probe
 
     files = _tiny_run_files(tmp_path)
     argv = ["--config", str(REPO / "configs" / trainer / "tiny.yaml"), "--target",
@@ -239,7 +239,7 @@ def test_the_plan_is_within_ten_percent_of_the_allocator_on_the_tiny_configs(tmp
 
 
 def test_the_probe_command_prints_its_measurements(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "train.memory_probe", "--config",
+    done = subprocess.run([sys.executable, "-m", "draftsmith.train.memory_probe", "--config",
                            str(REPO / "configs/eagle/tiny.yaml"), "--steps", "0"],
                           cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 2 and "--steps must be >= 1" in done.stderr

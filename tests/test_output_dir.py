@@ -1,4 +1,4 @@
-"""heads.output_dir: atomic, marked, readable by others, never replacing or deleting what it must
+"""draftsmith.files.output_dir: atomic, marked, readable by others, never replacing or deleting what it must
 not (write_dir; stage_dir + commit_dir for several writers; remove_dir; check_writable_dir)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from heads.output_dir import (
+from draftsmith.files.output_dir import (
     MARKER,
     check_destination,
     check_writable_dir,
@@ -170,7 +170,7 @@ def test_output_paths_are_checked_without_writing(tmp_path, monkeypatch):
 def test_cast_artifact_halves_the_weights_and_keeps_integer_maps(tmp_path):
     import torch
 
-    from heads.artifact import cast_artifact, load_artifact, main, save_artifact
+    from draftsmith.heads.artifact import cast_artifact, load_artifact, main, save_artifact
 
     weights = {"fc.weight": torch.randn(8, 4), "d2t": torch.arange(5, dtype=torch.int64)}
     source = save_artifact(tmp_path / "fp32", "eagle3", {"hidden_size": 4}, weights,
@@ -191,7 +191,7 @@ def test_leftovers_of_a_killed_writer_go_and_a_running_ones_stay(tmp_path):
     import subprocess
     import sys
 
-    from heads.output_dir import _host, remove_leftovers
+    from draftsmith.files.output_dir import _host, remove_leftovers
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)

@@ -1,4 +1,4 @@
-"""train.data regenerate: every turn answered given the target's own history, cut at a turn
+"""draftsmith.train.data regenerate: every turn answered given the target's own history, cut at a turn
 boundary when it no longer fits, shards that merge into the unsharded file, resume after a
 SIGKILL, and the clear errors. The OpenAI backend against a real server is in
 tests/test_regenerate_server.py.
@@ -20,11 +20,17 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from heads.target import load_target, resolve_target, wrap_target
-from train import regenerate as regeneration
-from train.regenerate import load_prompts, merge_shards, parse_shard, regenerate, shard_path
-from train.regenerate_backends import HFBackend, OpenAIBackend
-from train.rows import read_conversations
+from draftsmith.targets.target import load_target, resolve_target, wrap_target
+from draftsmith.train import regenerate as regeneration
+from draftsmith.train.regenerate import (
+    load_prompts,
+    merge_shards,
+    parse_shard,
+    regenerate,
+    shard_path,
+)
+from draftsmith.train.regenerate_backends import HFBackend, OpenAIBackend
+from draftsmith.train.rows import read_conversations
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTIONS = ["What is fifteen more than a quarter of 48?", "How are you?",
@@ -260,7 +266,7 @@ def test_sigkill_at_any_moment_loses_only_the_conversations_in_flight(target, ta
     rows = conversations(24)
     source = write_jsonl(tmp_path / "many.jsonl", rows)
     out = tmp_path / "answers.jsonl"
-    command = [sys.executable, "-m", "train.data", "regenerate", "--target", str(target_dir),
+    command = [sys.executable, "-m", "draftsmith.train.data", "regenerate", "--target", str(target_dir),
                "--dtype", "float64", "--data", source, "--out", str(out), "--max-new-tokens",
                "6", "--temperature", "0", "--batch-size", "3"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

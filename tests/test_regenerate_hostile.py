@@ -1,4 +1,4 @@
-"""What a hostile or careful user found against ``python -m train.data regenerate`` / ``merge``
+"""What a hostile or careful user found against ``python -m draftsmith.train.data regenerate`` / ``merge``
 and the OpenAI backend: each case is a test that failed before its fix.
 
 Nothing a user wrote is lost, nothing goes silently wrong, and every error is one line with exit
@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from heads.target import resolve_target
-from train import regenerate as regeneration
-from train.regenerate import merge_shards, regenerate, shard_path
-from train.regenerate_backends import OpenAIBackend
+from draftsmith.targets.target import resolve_target
+from draftsmith.train import regenerate as regeneration
+from draftsmith.train.regenerate import merge_shards, regenerate, shard_path
+from draftsmith.train.regenerate_backends import OpenAIBackend
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = dict(max_new_tokens=8, temperature=0.0, progress=False)
@@ -296,7 +296,7 @@ def test_sigint_with_requests_in_flight_exits_promptly_keeping_the_rows(server, 
     out = tmp_path / "answers.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "train.data", *cli(server.url, data, out, "--concurrency", "6")],
+        [sys.executable, "-m", "draftsmith.train.data", *cli(server.url, data, out, "--concurrency", "6")],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120

@@ -24,10 +24,15 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from heads.target import load_target, resolve_target
-from train import regenerate as regeneration
-from train.regenerate import regenerate
-from train.regenerate_backends import Answer, BadAnswer, OpenAIBackend, check_server_tokens
+from draftsmith.targets.target import load_target, resolve_target
+from draftsmith.train import regenerate as regeneration
+from draftsmith.train.regenerate import regenerate
+from draftsmith.train.regenerate_backends import (
+    Answer,
+    BadAnswer,
+    OpenAIBackend,
+    check_server_tokens,
+)
 
 pytest.importorskip("fastapi", reason="needs the serve extra: pip install -e '.[serve]'")
 pytest.importorskip("uvicorn", reason="needs the serve extra: pip install -e '.[serve]'")

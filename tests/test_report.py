@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from eval.acceptance import DepthCounts
-from eval.prompts import Prompt
-from eval.report import SECTIONS, announce_wandb_run, log_to_wandb, main, wandb_mode
-from eval.summary import REPORT_FORMAT, REPORT_VERSION, MethodRuns, PromptRun, summarise
+from draftsmith.eval.acceptance import DepthCounts
+from draftsmith.eval.prompts import Prompt
+from draftsmith.eval.report import SECTIONS, announce_wandb_run, log_to_wandb, main, wandb_mode
+from draftsmith.eval.summary import REPORT_FORMAT, REPORT_VERSION, MethodRuns, PromptRun, summarise
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def synthetic_report() -> dict:
-    """A report as eval.bench writes it, from made-up runs: 6 prompts in 2 categories, 2 repeats."""
+    """A report as draftsmith.eval.bench writes it, from made-up runs: 6 prompts in 2 categories, 2 repeats."""
     rng = np.random.default_rng(0)
     prompts = [Prompt(f"p{i}", "writing" if i < 3 else "coding", i) for i in range(6)]
 
@@ -127,7 +127,7 @@ def test_bad_reports_are_skipped_with_the_reason(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err
     page = out.read_text()
-    for reason in ("truncated?", "newer draftsmith", "not an eval.bench report",
+    for reason in ("truncated?", "newer draftsmith", "not a draftsmith.eval.bench report",
                    "'lm-eval' file", "without a method name", "no such file"):
         assert html.escape(reason) in page and reason in err
     assert "6 files skipped" in err
@@ -144,7 +144,7 @@ def test_an_older_report_renders_with_what_it_has(tmp_path):
     out = tmp_path / "old.html"
     assert main([str(REPO / "reports" / "heads_t0.json"), "--out", str(out)]) == 0
     page = out.read_text()
-    assert "older eval.bench" in page and "no per-prompt figures" in page
+    assert "older draftsmith.eval.bench" in page and "no per-prompt figures" in page
     assert "carry no category" in page
     pictures = images(page)
     assert len(pictures) == 3  # speedup, tau, alpha per depth: what a version-1 report holds

@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from eval.engine import SpeculativeEngine
-from eval.proposers import NgramProposer
-from eval.round_cost import (
+from draftsmith.eval.engine import SpeculativeEngine
+from draftsmith.eval.proposers import NgramProposer
+from draftsmith.eval.round_cost import (
     ReplayTree,
     RoundCosts,
     costs_problem,
@@ -18,7 +18,7 @@ from eval.round_cost import (
     engine_costs,
     predict_seconds,
 )
-from heads.target import wrap_target
+from draftsmith.targets.target import wrap_target
 
 EXTRA = 0.02  # seconds the slow proposer adds to every round
 
@@ -78,7 +78,7 @@ def test_a_line_through_costs_at_or_below_zero_keeps_its_points():
     """A draft's side of a round is its rounds minus the engine's: on a tiny model it can sit
     at or below 0, and the outlier filter must still leave a line (it once left none and the
     cost model failed with an empty median)."""
-    from eval.round_cost import _fit, _robust
+    from draftsmith.eval.round_cost import _fit, _robust
 
     points = [(128, -2e-4), (128, -2e-4), (128, -2.1e-4), (512, -1e-4), (512, -1e-4)]
     kept = _robust(points)

@@ -1,4 +1,4 @@
-"""Sharding through torch's engines (train/sharding.py, heads/target_shards.py): what is refused
+"""Sharding through torch's engines (train/sharding.py, targets/shards.py): what is refused
 before the target loads, the shared-directory check, the memory estimate of a sharded 70B run,
 and the helpers the trainers' multi-process tests launch with (test_train_*.py: a target sharded
 over 2 processes and the trained module under FSDP2 train the steps 1 process trains, and their
@@ -23,7 +23,7 @@ from accelerate import debug_launcher
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils.launch import prepare_multi_gpu_env
 
-from train.config import config_to_dict
+from draftsmith.train.config import config_to_dict
 
 REPO = Path(__file__).resolve().parents[1]
 FSDP_KEYS = ("ACCELERATE_USE_FSDP", "FSDP_")
@@ -83,7 +83,7 @@ def assert_same_steps(expected: list[tuple], got: list[tuple], rel: float = 1e-5
 
 
 def test_a_shard_count_the_target_cannot_split_into_is_refused():
-    from heads.target_shards import check_shards
+    from draftsmith.targets.shards import check_shards
 
     config = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
     check_shards(config, 32)  # kv heads x head_dim = 2 x 16 rows: every process holds some
@@ -95,9 +95,9 @@ def _probe(directories: list[str]) -> None:
     """Run by each of 2 processes: the shared-directory check on its own directory."""
     from accelerate.state import AcceleratorState
 
-    from train.accelerator import make_accelerator
-    from train.config import TrainConfig
-    from train.sharding import check_shared_directory
+    from draftsmith.train.accelerator import make_accelerator
+    from draftsmith.train.config import TrainConfig
+    from draftsmith.train.sharding import check_shared_directory
 
     # a forked child inherits the state of an Accelerator this test process made before
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -136,11 +136,11 @@ def test_sharding_refuses_a_checkpoint_directory_not_shared_by_every_process(tmp
 @pytest.mark.parametrize("trainer, launch", [("eagle", []), ("eagle", ["--fsdp2"]),
                                              ("dflash", ["--fsdp2"])])
 def test_the_70b_recipes_fit_80gb_gpus_with_the_target_sharded(trainer, launch, capsys):
-    """python -m train.memory --config configs/<trainer>/llama-3.3-70b-instruct.yaml
+    """python -m draftsmith.train.memory --config configs/<trainer>/llama-3.3-70b-instruct.yaml
     --processes 8: the target's layers split over 8 GPUs, one GPU's peak under 80 GB (the block
     draft's 4.6 B parameters need FSDP2 as well); the same run with a whole target per GPU does
     not fit, and the estimate says so. The shapes come from the shipped config.json copy."""
-    from train.memory import main
+    from draftsmith.train.memory import main
 
     config = str(REPO / f"configs/{trainer}/llama-3.3-70b-instruct.yaml")
     sharded = main(["--config", config, "--processes", "8", *launch])
@@ -156,8 +156,8 @@ def test_the_70b_recipes_fit_80gb_gpus_with_the_target_sharded(trainer, launch, 
 def test_the_estimate_counts_a_sharded_target_and_only_the_parts_a_run_loads(tmp_path):
     """A run from a finished feature cache loads the embedding, norm and LM head alone: the
     estimate counts those, not the whole target."""
-    from train.eagle import MEMORY, EagleTrainConfig
-    from train.estimate import Shape
+    from draftsmith.train.eagle import MEMORY, EagleTrainConfig
+    from draftsmith.train.estimate import Shape
 
     shape = Shape(8192, 28672, 80, 64, 8, 128, 128256, False)
     cfg = EagleTrainConfig(data=["unused.jsonl"], output_dir=str(tmp_path), eval_every=0)
@@ -192,7 +192,7 @@ def test_a_checkpoint_dcp_directory_is_verified_before_torch_unpickles_it(tmp_pa
 
     import torch.distributed.checkpoint as dcp
 
-    from train.sharding import DCP_DIR, dcp_digests, dcp_problems, load_sharded
+    from draftsmith.train.sharding import DCP_DIR, dcp_digests, dcp_problems, load_sharded
 
     ckpt = tmp_path / "step_2"
     dcp.save({"model": {"w": torch.arange(64.0)}}, checkpoint_id=str(ckpt / DCP_DIR),

@@ -1,4 +1,4 @@
-"""heads/target.py: the identity an artifact records (weights fingerprint, hub id, path) and the
+"""targets/target.py: the identity an artifact records (weights fingerprint, hub id, path) and the
 refusal of another target's weights; damaged GGUF files; no code shipped with a model is run."""
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from distill.draft import load_draft
-from heads.eagle import EagleConfig, EagleHead, load_eagle, save_eagle
-from heads.file_formats import FileFormatError
-from heads.medusa import MedusaHeads, load_medusa, save_medusa
-from heads.output_dir import read_marker
-from heads.target import (
+from draftsmith.files.file_formats import FileFormatError
+from draftsmith.files.output_dir import read_marker
+from draftsmith.heads.distill import load_draft
+from draftsmith.heads.eagle import EagleConfig, EagleHead, load_eagle, save_eagle
+from draftsmith.heads.medusa import MedusaHeads, load_medusa, save_medusa
+from draftsmith.targets.target import (
     convert_gguf,
     gguf_problem,
     load_target,
@@ -145,7 +145,7 @@ def test_artifacts_are_refused_by_a_target_with_other_weights(tmp_path):
 
 @pytest.fixture(scope="module")
 def gguf_file():
-    from heads.target import embedded_gguf_path
+    from draftsmith.targets.target import embedded_gguf_path
 
     try:
         return embedded_gguf_path("smollm2-135m")

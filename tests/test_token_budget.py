@@ -16,14 +16,15 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from heads.chunked_loss import next_token_mask
-from heads.eagle import EagleConfig, EagleHead, build_draft_vocab
-from heads.eagle_loss import EagleLoss, target_features
-from heads.medusa import MedusaHeads
-from heads.medusa_loss import MedusaObjective, target_hidden
-from heads.target import wrap_target
-from train.medusa import MedusaTrainConfig, loss_options
-from train.rows import collate_causal_lm
+from draftsmith.heads.chunked_loss import next_token_mask
+from draftsmith.heads.eagle import EagleConfig, EagleHead, build_draft_vocab
+from draftsmith.heads.eagle_loss import EagleLoss
+from draftsmith.heads.medusa import MedusaHeads
+from draftsmith.heads.medusa_loss import MedusaObjective, target_hidden
+from draftsmith.targets.features import target_features
+from draftsmith.targets.target import wrap_target
+from draftsmith.train.medusa import MedusaTrainConfig, loss_options
+from draftsmith.train.rows import collate_causal_lm
 
 VOCAB = 96
 
@@ -131,7 +132,7 @@ def test_medusa_losses_per_token_do_not_depend_on_padding_or_batching(tiny_targe
 
 def test_distillation_losses_per_token_do_not_depend_on_padding_or_batching(tiny_target,
                                                                            tiny_draft):
-    from train.distill import DistillConfig, distill_loss
+    from draftsmith.train.distill import DistillConfig, distill_loss
 
     target = tiny_target
     draft = copy.deepcopy(tiny_draft).requires_grad_(True)

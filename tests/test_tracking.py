@@ -1,4 +1,4 @@
-"""train.tracking: metrics.jsonl contents, aggregation, progress bar, W&B offline, acceptance."""
+"""draftsmith.train.tracking: metrics.jsonl contents, aggregation, progress bar, W&B offline, acceptance."""
 
 from __future__ import annotations
 
@@ -11,16 +11,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eval.draft import DraftModelProposer
-from eval.engine import measure_acceptance
-from eval.report import wandb_mode
-from eval.sampling import SamplingParams
-from train.accelerator import make_accelerator
-from train.batches import BatchPlan
-from train.checkpoints import TrainState, read_checkpoint_state
-from train.config import config_from_dict
-from train.optimizer import learning_rate
-from train.tracking import AcceptanceEval, MetricsLogger, resolve_prompts_file, rewind_jsonl
+from draftsmith.eval.draft import DraftModelProposer
+from draftsmith.eval.engine import measure_acceptance
+from draftsmith.eval.report import wandb_mode
+from draftsmith.eval.sampling import SamplingParams
+from draftsmith.train.accelerator import make_accelerator
+from draftsmith.train.batches import BatchPlan
+from draftsmith.train.checkpoints import TrainState, read_checkpoint_state
+from draftsmith.train.config import config_from_dict
+from draftsmith.train.optimizer import learning_rate
+from draftsmith.train.tracking import (
+    AcceptanceEval,
+    MetricsLogger,
+    resolve_prompts_file,
+    rewind_jsonl,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = REPO / "tests" / "fixtures" / "toy_train.py"

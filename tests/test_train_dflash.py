@@ -12,13 +12,13 @@ import torch
 from safetensors.torch import load_file
 from test_train_eagle import conversation, save_tiny_target, write_jsonl
 
-from heads.dflash import load_dflash
-from heads.target import load_target
-from layouts.dflash import load_block_draft
-from layouts.export import export
-from layouts.export import main as export_main
-from train.config import parse_config
-from train.dflash import DFlashTrainConfig, main
+from draftsmith.heads.dflash import load_dflash
+from draftsmith.layouts.dflash import load_block_draft
+from draftsmith.layouts.export import export
+from draftsmith.layouts.export import main as export_main
+from draftsmith.targets.target import load_target
+from draftsmith.train.config import parse_config
+from draftsmith.train.dflash import DFlashTrainConfig, main
 
 pytestmark = pytest.mark.usefixtures("trainer_env")
 
@@ -133,7 +133,7 @@ def test_sharded_target_and_fsdp2_draft_train_the_one_process_steps(files, tmp_p
 
 
 def test_the_benchmark_sizes_blocks_and_decodes_exactly(files, tmp_path):
-    from eval import bench
+    from draftsmith.eval import bench
 
     run = main(config(files, tmp_path / "run", max_steps=6, eval_every=0, save_every=0))
     records = bench.main(["--target", files["target"], "--method", "plain", "--method",

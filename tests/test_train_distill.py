@@ -1,5 +1,5 @@
 """train/distill.py: on-policy batches, training that moves the draft only, exact resume, LoRA,
-export (eval.bench and transformers' assisted generation), vocabulary and config refusals.
+export (draftsmith.eval.bench and transformers' assisted generation), vocabulary and config refusals.
 
 The target is a tiny random Llama saved as a Hugging Face directory with a 48-token word-level
 tokenizer and a ChatML-like chat template, so the whole pipeline (data, chat template, sampling,
@@ -27,15 +27,15 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-import train.loop as loop_module
-from distill.draft import load_draft, read_draft_info
-from distill.losses import divergence
-from eval.bench import build_methods
-from eval.sampling import SamplingParams
-from heads.chunked_loss import next_token_mask
-from heads.target import load_target
-from train.config import config_from_dict, parse_config
-from train.distill import (
+import draftsmith.train.loop as loop_module
+from draftsmith.eval.bench import build_methods
+from draftsmith.eval.sampling import SamplingParams
+from draftsmith.heads.chunked_loss import next_token_mask
+from draftsmith.heads.distill import load_draft, read_draft_info
+from draftsmith.heads.distill_loss import divergence
+from draftsmith.targets.target import load_target
+from draftsmith.train.config import config_from_dict, parse_config
+from draftsmith.train.distill import (
     DistillConfig,
     build_draft,
     collate_distill,
@@ -45,7 +45,7 @@ from train.distill import (
     load_distill_rows,
     main,
 )
-from train.signals import GracefulStop
+from draftsmith.train.signals import GracefulStop
 
 pytestmark = pytest.mark.usefixtures("trainer_env")
 
@@ -376,14 +376,14 @@ def test_the_exported_draft_works_in_eval_bench_and_transformers(files, whole_ru
 
 def test_the_artifact_records_its_drafting_and_the_bench_drafts_with_it(files, whole_run,
                                                                         tmp_path):
-    """The trainer records its evaluation's drafting in the directory; `python -m eval.draft
+    """The trainer records its evaluation's drafting in the directory; `python -m draftsmith.eval.draft
     propose` replaces it after checking it; draft:<dir> drafts with the record where the command
     line sets nothing (a depth alone asks for a chain), stays exact, and the report says how it
     drafted. A damaged record and bad options are refused by name."""
     import shutil
 
-    from eval import bench
-    from eval.draft import main as draft_main
+    from draftsmith.eval import bench
+    from draftsmith.eval.draft import main as draft_main
 
     out, result = whole_run
     artifact = tmp_path / "draft"
@@ -614,7 +614,7 @@ def test_a_few_steps_on_the_embedded_smollm2_target(tmp_path):
 def test_a_reduced_draft_vocabulary_trains_resumes_and_decodes_exactly(files, tmp_path):
     """draft_vocab_size: the most frequent answer tokens only, on- and off-policy; a resume with
     other data (another vocabulary) is refused; forward KL (infinite there) is refused at parse."""
-    from distill.draft import DraftVocabHead, load_draft
+    from draftsmith.heads.distill import DraftVocabHead, load_draft
 
     out = tmp_path / "run"
     result = main(base_config(files, out, draft_vocab_size=12, eval_every=0, heldout_every=4))
@@ -633,8 +633,8 @@ def test_a_reduced_draft_vocabulary_trains_resumes_and_decodes_exactly(files, tm
 
     # a resumed run whose data would give another vocabulary (the data check passes here: the
     # vocabulary rule itself is what changed) is refused, not silently continued
-    import train.distill as distill_module
-    from heads.draft_vocab import maps_from_token_ids
+    import draftsmith.train.distill as distill_module
+    from draftsmith.heads.draft_vocab import maps_from_token_ids
 
     def other_vocabulary(token_ids, masks, vocab_size, size):
         return (*maps_from_token_ids(torch.arange(size), vocab_size), 1.0)
@@ -670,9 +670,9 @@ def test_a_frozen_embedding_is_the_targets_left_out_of_the_directory_and_taken_b
     assert torch.equal(draft.get_input_embeddings().weight, embedding)
     assert decodes_like_the_target(target, artifact)
 
-    # shipped in bf16 through `python -m heads.artifact cast`: half the bytes, the ids kept, the
+    # shipped in bf16 through `python -m draftsmith.heads.artifact cast`: half the bytes, the ids kept, the
     # same refusals as any cast (never over its source), and it still decodes exactly
-    from heads.artifact import main as artifact_main
+    from draftsmith.heads.artifact import main as artifact_main
 
     shipped = tmp_path / "shipped"
     assert artifact_main(["cast", str(artifact), str(shipped), "--dtype", "bf16"]) == 0

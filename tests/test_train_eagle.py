@@ -23,15 +23,15 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import train.loop as loop_module
-from heads.eagle import EagleHead, load_eagle
-from heads.target import load_target
-from layouts.eagle import load_eagle_head
-from layouts.export import main as export_main
-from train.config import parse_config
-from train.eagle import EagleTrainConfig, draft_vocabulary, head_config, main
-from train.rows import load_sft_dataset
-from train.signals import GracefulStop
+import draftsmith.train.loop as loop_module
+from draftsmith.heads.eagle import EagleHead, load_eagle
+from draftsmith.layouts.eagle import load_eagle_head
+from draftsmith.layouts.export import main as export_main
+from draftsmith.targets.target import load_target
+from draftsmith.train.config import parse_config
+from draftsmith.train.eagle import EagleTrainConfig, draft_vocabulary, head_config, main
+from draftsmith.train.rows import load_sft_dataset
+from draftsmith.train.signals import GracefulStop
 
 pytestmark = pytest.mark.usefixtures("trainer_env")
 
@@ -466,7 +466,7 @@ def test_mixing_fsdp2_with_a_ddp_checkpoint_is_refused_before_the_target_loads(
     """A checkpoint that holds the head whole (DDP, one process) resumed by an FSDP2 launch, and
     an FSDP2 checkpoint by a DDP launch: one line each naming the config to launch with, before
     the target loads; nothing in the run directory changes."""
-    import train.sharding as sharding_module
+    import draftsmith.train.sharding as sharding_module
 
     common = dict(max_steps=2, eval_every=0, save_every=2)
     main(config(files, tmp_path / "ddp", **common))
@@ -550,8 +550,8 @@ def test_resume_refuses_another_config_target_or_data(files, tmp_path):
 def test_init_layer_reads_the_same_layer_from_a_target_loaded_in_parts(files, tmp_path):
     """A run from a finished feature cache loads the target's embedding, norm and LM head only;
     init_layer then reads its layer from the checkpoint, and the head starts the same."""
-    from heads.target import load_target_parts
-    from train.eagle_features import target_layer_weights
+    from draftsmith.targets.target import load_target_parts
+    from draftsmith.train.features import target_layer_weights
 
     whole = load_target(files["target"], dtype=torch.float32)
     parts = load_target_parts(files["target"], dtype=torch.float32)

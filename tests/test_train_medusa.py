@@ -1,4 +1,4 @@
-"""train/medusa.py: the chunked loss against heads.medusa's reference, Medusa-1 and Medusa-2 runs,
+"""train/medusa.py: the chunked loss against draftsmith.heads.medusa's reference, Medusa-1 and Medusa-2 runs,
 exact resume, the artifact (tree, adapted target) in the evaluator, and refusals.
 
 The target is a random 2-layer Llama of hidden size 32 with SmolLM2's real tokenizer (vocabulary
@@ -24,22 +24,22 @@ from medusa_reference import medusa_loss, rank_hits
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-import train.loop as loop_module
-from distill.draft import add_lora
-from distill.losses import forward_kl
-from eval.engine import SpeculativeEngine
-from eval.medusa import MedusaProposer
-from eval.sampling import SamplingParams
-from heads.chunked_loss import next_token_mask, projected_cross_entropy
-from heads.draft_vocab import build_draft_vocab, check_same_vocabulary
-from heads.medusa import MedusaHeads, load_medusa
-from heads.medusa_loss import MedusaObjective, head_rows, target_hidden
-from heads.target import load_target, resolve_target, wrap_target
-from layouts.export import export
-from layouts.medusa import export_medusa
-from train.config import config_from_dict, config_to_dict, parse_config
-from train.medusa import MedusaTrainConfig, build_objective, loss_options, main
-from train.signals import GracefulStop
+import draftsmith.train.loop as loop_module
+from draftsmith.eval.engine import SpeculativeEngine
+from draftsmith.eval.medusa import MedusaProposer
+from draftsmith.eval.sampling import SamplingParams
+from draftsmith.heads.chunked_loss import next_token_mask, projected_cross_entropy
+from draftsmith.heads.distill import add_lora
+from draftsmith.heads.distill_loss import forward_kl
+from draftsmith.heads.draft_vocab import build_draft_vocab, check_same_vocabulary
+from draftsmith.heads.medusa import MedusaHeads, load_medusa
+from draftsmith.heads.medusa_loss import MedusaObjective, head_rows, target_hidden
+from draftsmith.layouts.export import export
+from draftsmith.layouts.medusa import export_medusa
+from draftsmith.targets.target import load_target, resolve_target, wrap_target
+from draftsmith.train.config import config_from_dict, config_to_dict, parse_config
+from draftsmith.train.medusa import MedusaTrainConfig, build_objective, loss_options, main
+from draftsmith.train.signals import GracefulStop
 
 pytestmark = pytest.mark.usefixtures("trainer_env")
 
@@ -438,7 +438,7 @@ def test_medusa1_artifact_loads_in_the_evaluator_and_decodes_greedily_exactly(fi
     assert len(info["rank_accuracies"]) == 2 and len(info["rank_accuracies"][0]) == 10
     proposer = MedusaProposer.from_artifact(result["artifact"], target)
     assert proposer.tree.paths == result["tree"]
-    # a wider tree rebuilt from the stored accuracies, as eval.bench --tree-nodes does
+    # a wider tree rebuilt from the stored accuracies, as draftsmith.eval.bench --tree-nodes does
     wide = MedusaProposer.from_artifact(result["artifact"], target, tree_nodes=12)
     assert len(wide.tree) == 12 and wide.tree.max_depth == 2
     prompt = target.chat_ids("Count from 3 to 9.")

@@ -1,4 +1,4 @@
-"""train.speed times the target's forward as a training step calls it."""
+"""draftsmith.train.speed times the target's forward as a training step calls it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from train import speed
+from draftsmith.train import speed
 
 
 def test_the_forward_timed_is_the_steps_own_after_a_warm_up():

@@ -10,11 +10,11 @@ import test_eagle
 import torch
 from test_eagle import NEW_TOKENS, PROMPTS, fresh
 
-from eval import tree_auto
-from eval.eagle import EagleProposer
-from eval.engine import SpeculativeEngine
-from eval.kv import crop
-from heads.eagle import save_eagle
+from draftsmith.eval import tree_auto
+from draftsmith.eval.eagle import EagleProposer
+from draftsmith.eval.engine import SpeculativeEngine
+from draftsmith.eval.kv import crop
+from draftsmith.heads.eagle import save_eagle
 
 # test_eagle's module fixtures: its tiny float64 target and the heads fitted to its continuations
 one_thread, target, engine, greedy = (test_eagle.one_thread, test_eagle.target,
@@ -173,11 +173,11 @@ def test_a_damaged_calibration_is_named_and_measured_again(tmp_path, target, hea
 
 
 def test_a_damaged_medusa_calibration_is_measured_again(tmp_path, target, capsys):
-    from heads.medusa import MedusaHeads, save_medusa
+    from draftsmith.heads.medusa import MedusaHeads, save_medusa
 
     path = save_medusa(tmp_path / "medusa", MedusaHeads.from_target(target, num_heads=2), target)
     (path / tree_auto.CALIBRATION_FILE).write_bytes(b"\x80\x81")
-    from eval.medusa import MedusaProposer
+    from draftsmith.eval.medusa import MedusaProposer
 
     proposer = MedusaProposer.from_artifact(path, target)
     tree, record = tree_auto.auto_medusa_tree(path, target, proposer.heads, proposer.tree_info,
@@ -192,7 +192,7 @@ def test_a_damaged_medusa_calibration_is_measured_again(tmp_path, target, capsys
 
 def test_the_calibration_says_how_long_it_takes_and_fits_its_budget(tmp_path, target, heads,
                                                                     monkeypatch, capsys):
-    from eval import tree_cost
+    from draftsmith.eval import tree_cost
 
     path = save_eagle(heads[3]["trained"], tmp_path / "head", target)
     # one decoding step "takes" 0.1 s: 8 prompts x 64 tokens and every timing would not fit
@@ -235,7 +235,7 @@ def test_a_budget_of_zero_skips_the_calibration(tmp_path, target, heads, monkeyp
 
 
 def test_bench_takes_the_calibration_budget():
-    import eval.bench as bench
+    import draftsmith.eval.bench as bench
 
     args = bench.build_parser().parse_args(["--target", "t", "--method", "plain", "--prompts", "p",
                                             "--tree-calibration-seconds", "0"])
@@ -243,14 +243,14 @@ def test_bench_takes_the_calibration_budget():
 
 
 def test_bench_chooses_trees_by_default_and_reports_expected_beside_measured(tmp_path, capsys):
-    """eval.bench's default --tree auto on a tiny target with a tokenizer: an EAGLE-1 head and
+    """draftsmith.eval.bench's default --tree auto on a tiny target with a tokenizer: an EAGLE-1 head and
     Medusa heads saved without held-out accuracies (so both acceptances are measured first)."""
     import test_bench
 
-    import eval.bench as bench
-    from heads.eagle import EagleConfig, EagleHead
-    from heads.medusa import MedusaHeads, save_medusa
-    from heads.target import load_target
+    import draftsmith.eval.bench as bench
+    from draftsmith.heads.eagle import EagleConfig, EagleHead
+    from draftsmith.heads.medusa import MedusaHeads, save_medusa
+    from draftsmith.targets.target import load_target
 
     model = test_bench.tiny_model()
     model.save_pretrained(str(tmp_path / "target"))

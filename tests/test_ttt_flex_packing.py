@@ -17,15 +17,15 @@ from torch.nn.attention.bias import CausalBias
 from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile
 
-from heads.eagle_loss import eagle_loss
-from heads.ttt_attention import (
+from draftsmith.heads.eagle_loss import eagle_loss
+from draftsmith.heads.ttt_attention import (
     BLOCK,
     documents_of,
     flex_ttt_attention,
     sdpa_ttt_attention,
     ttt_block_mask,
 )
-from train.rows import pack_rows
+from draftsmith.train.rows import pack_rows
 
 
 def random_inputs(n, *, steps=3, batch=2, heads=4, kv_heads=2, dim=16, dtype=torch.float64,
@@ -230,7 +230,7 @@ def test_packing_gives_the_unpacked_loss_metrics_and_gradients(version):
 
 
 def ttt_features(target, head, batch):
-    from heads.eagle_loss import target_features
+    from draftsmith.targets.features import target_features
 
     return target_features(target, batch["input_ids"], batch["attention_mask"], head.config,
                            position_ids=batch.get("position_ids"))

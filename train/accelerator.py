@@ -24,7 +24,7 @@ from accelerate.utils import (
     set_seed,
 )
 
-from train.signals import follow_launcher
+from draftsmith.train.signals import follow_launcher
 
 
 def _device_backend_available() -> bool:
@@ -74,7 +74,7 @@ def make_accelerator(cfg) -> Accelerator:
 
     Call it first: the seed must be set before the head is built so that its initialisation is
     the same on every process and in every rerun; a process started by ``accelerate launch``
-    then also stops when its launcher is stopped (:func:`train.signals.follow_launcher`). ``dist_timeout_minutes`` bounds how long a
+    then also stops when its launcher is stopped (:func:`draftsmith.train.signals.follow_launcher`). ``dist_timeout_minutes`` bounds how long a
     collective waits for a slow process (NCCL's default is 10 minutes).
     """
     follow_launcher()  # SIGTERM to `accelerate launch` alone reaches this process too

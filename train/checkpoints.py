@@ -17,7 +17,7 @@ Layout under ``<output_dir>/checkpoints/``::
                        counts)
     damaged-step_<N>/  a checkpoint found damaged when resuming from an older one (kept, not used)
 
-Every directory here is written through heads/output_dir.py and carries its ``.draftsmith``
+Every directory here is written through files/output_dir.py and carries its ``.draftsmith``
 marker (kind ``checkpoint``) from the moment it is made; saving and pruning delete or replace only
 directories that carry it or are complete checkpoints, never anything else.
 
@@ -43,9 +43,8 @@ from accelerate import Accelerator
 from accelerate.utils import load as accelerate_load
 from safetensors.torch import load_file
 
-from heads.artifact import NonFiniteWeights, check_finite
-from heads.file_formats import FileFormatError, read_json_object, safetensors_problem
-from heads.output_dir import (
+from draftsmith.files.file_formats import FileFormatError, read_json_object, safetensors_problem
+from draftsmith.files.output_dir import (
     check_destination,
     check_writable_dir,
     commit_dir,
@@ -55,15 +54,16 @@ from heads.output_dir import (
     remove_dir,
     stage_dir,
 )
-from train.batches import BatchPlan
-from train.config import (
+from draftsmith.heads.artifact import NonFiniteWeights, check_finite
+from draftsmith.train.batches import BatchPlan
+from draftsmith.train.config import (
     config_diff,
     config_to_dict,
     may_change_on_resume,
     read_saved_config,
     save_config,
 )
-from train.sharding import (
+from draftsmith.train.sharding import (
     DCP_DIR,
     FSDP2,
     REPLICATED,
@@ -79,7 +79,7 @@ STATE_FILE = "trainer_state.json"
 FORMAT_VERSION = 2
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _RESULTS = ("artifact", "metrics.jsonl", "config.yaml")  # what a run writes beside checkpoints/
-CHECKPOINT_KIND = "checkpoint"  # the heads.output_dir marker kind of a checkpoint directory
+CHECKPOINT_KIND = "checkpoint"  # the draftsmith.files.output_dir marker kind of a checkpoint directory
 # identity keys that say where the target was found, not what it is
 _TARGET_LOCATION = ("path", "hub_id")
 
@@ -136,7 +136,7 @@ def step_of(path: Path) -> int:
 
 def read_checkpoint_state(path: str | os.PathLike) -> dict:
     """The trainer_state.json of a checkpoint directory (a damaged one is a
-    :class:`heads.file_formats.FileFormatError`)."""
+    :class:`draftsmith.files.file_formats.FileFormatError`)."""
     file = Path(path) / STATE_FILE
     if not file.is_file():
         raise ValueError(f"{path} is not a complete draftsmith checkpoint (no {STATE_FILE})")
@@ -481,9 +481,9 @@ class Checkpointer:
     def save(self, state: TrainState) -> Path:
         """Write ``checkpoints/step_<N>`` atomically (every process must call it), then prune.
 
-        The main process stages a marked directory (:func:`heads.output_dir.stage_dir`), every
+        The main process stages a marked directory (:func:`draftsmith.files.output_dir.stage_dir`), every
         process saves its part of the state into it, trainer_state.json is written last, and
-        :func:`heads.output_dir.commit_dir` fsyncs it and renames it into place.
+        :func:`draftsmith.files.output_dir.commit_dir` fsyncs it and renames it into place.
         """
         final = self.root / f"step_{state.step}"
         if self.last_saved_step == state.step:

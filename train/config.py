@@ -53,7 +53,7 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
-from heads.output_dir import write_atomic
+from draftsmith.files.output_dir import write_atomic
 
 C = TypeVar("C")
 
@@ -94,7 +94,7 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
     return {f.name: _plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
 
 
-SAVED_HEADER = "# draftsmith: the resolved config of the run in this directory (train.config)\n"
+SAVED_HEADER = "# draftsmith: the resolved config of the run in this directory (draftsmith.train.config)\n"
 
 
 def save_config(cfg: Any, path: str | os.PathLike) -> Path:
@@ -301,7 +301,7 @@ def _coerce(key: str, value: Any, hint: Any, source: str) -> Any:
         if isinstance(value, str):
             return value
         raise wrong("; quote it in YAML if you mean a string")
-    raise TypeError(f"config field {key!r} has type {hint!r}, which train.config does not support")
+    raise TypeError(f"config field {key!r} has type {hint!r}, which draftsmith.train.config does not support")
 
 
 def _strip_optional(hint: Any) -> Any:

@@ -17,7 +17,7 @@ position weights, known before the anchors are drawn.
 Logged: ``loss``, ``acc_<k>`` (top-1 of the k-th predicted slot), ``conf_loss`` (DSpark),
 ``eval/tau`` and ``eval/alpha`` every ``eval_every`` steps from the engine decoding held-out
 prompts with the draft. At the end ``<output_dir>/artifact`` holds the draft (``draftsmith
-export ARTIFACT --format vllm|sglang|speculators|gguf``; ``python -m eval.bench --method
+export ARTIFACT --format vllm|sglang|speculators|gguf``; ``python -m draftsmith.eval.bench --method
 dflash:<artifact>``).
 """
 
@@ -34,11 +34,11 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch
 
-from eval.dflash import BlockProposer
-from heads import draft_vocab
-from heads.command_line import run_command
-from heads.dflash import DEFAULT_BLOCK_SIZE, DEFAULT_LAYERS, DFlashConfig, DFlashDraft
-from heads.dflash_loss import (
+from draftsmith.eval.dflash import BlockProposer
+from draftsmith.files.command_line import run_command
+from draftsmith.heads import draft_vocab
+from draftsmith.heads.dflash import DEFAULT_BLOCK_SIZE, DEFAULT_LAYERS, DFlashConfig, DFlashDraft
+from draftsmith.heads.dflash_loss import (
     DEFAULT_ANCHORS,
     DEFAULT_CONF_WEIGHT,
     DEFAULT_GAMMA,
@@ -46,14 +46,14 @@ from heads.dflash_loss import (
     anchor_candidates,
     sample_anchors,
 )
-from heads.target import Target
-from train.batches import make_batches, row_sizes
-from train.config import TrainConfig, option, parse_config
-from train.eagle_features import FeatureSpec, feature_rows, load_feature_target
-from train.estimate import LAYER_FACTOR, MemoryModel, Shape, StepSizes
-from train.loop import Recipe, StepOutput, TrainResult, start_run, write_run_artifact
-from train.rows import load_sft_dataset
-from train.tracking import AcceptanceEval
+from draftsmith.targets.target import Target
+from draftsmith.train.batches import make_batches, row_sizes
+from draftsmith.train.config import TrainConfig, option, parse_config
+from draftsmith.train.estimate import LAYER_FACTOR, MemoryModel, Shape, StepSizes
+from draftsmith.train.features import FeatureSpec, feature_rows, load_feature_target
+from draftsmith.train.loop import Recipe, StepOutput, TrainResult, start_run, write_run_artifact
+from draftsmith.train.rows import load_sft_dataset
+from draftsmith.train.tracking import AcceptanceEval
 
 
 @dataclass

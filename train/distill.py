@@ -11,7 +11,7 @@ eval mode, bf16 on GPU. Every micro-batch is one of two kinds, chosen by a sched
 only on the seed and the micro-batch's index (so a resumed run makes the same choices):
 
 * **off-policy**: the data's own responses (or responses the target wrote itself:
-  ``python -m train.data regenerate``), the loss on their assistant tokens;
+  ``python -m draftsmith.train.data regenerate``), the loss on their assistant tokens;
 * **on-policy** (DistillSpec / GKD), a fraction ``on_policy_ratio`` of the micro-batches: the draft
   samples a continuation of each row's prompt (the conversation up to its first assistant turn,
   rendered with the chat template) at ``on_policy_temperature``, stopping at an end-of-sequence
@@ -37,7 +37,7 @@ on held-out rows excluded from training; every ``eval_every`` steps ``eval/tau``
 ``eval/alpha`` measured by the speculative engine with the draft as proposer.
 
 At the end ``<output_dir>/artifact`` is a plain Hugging Face model directory with the target's
-tokenizer and a ``draftsmith`` block in config.json: ``python -m eval.bench --method
+tokenizer and a ``draftsmith`` block in config.json: ``python -m draftsmith.eval.bench --method
 draft:<output_dir>/artifact``, ``model.generate(..., assistant_model=...)`` in transformers, or a
 draft model in vLLM.
 """
@@ -52,9 +52,7 @@ from functools import partial
 from pathlib import Path
 from typing import Literal
 
-# Run as a script, sys.path starts with train/, where this file would shadow the distill
-# package: the repository root goes first.
-if __package__ in (None, ""):
+if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
@@ -62,7 +60,9 @@ from accelerate import Accelerator
 from jinja2.exceptions import TemplateError
 from torch import nn
 
-from distill.draft import (
+from draftsmith.eval.draft import PROPOSAL_KEY, DraftModelProposer
+from draftsmith.files.command_line import run_command, shell_command
+from draftsmith.heads.distill import (
     add_lora,
     fresh_draft,
     load_draft,
@@ -70,33 +70,31 @@ from distill.draft import (
     restrict_vocabulary,
     save_draft,
 )
-from distill.losses import DIVERGENCES, teacher_logits
-from distill.projected import (
+from draftsmith.heads.distill_loss import DIVERGENCES, teacher_logits
+from draftsmith.heads.distill_projected import (
     ProjectedDivergence,
     distill_scores,
     hugging_face_model,
     projects_from_states,
     teacher_states,
 )
-from eval.draft import PROPOSAL_KEY, DraftModelProposer
-from heads.command_line import run_command, shell_command
-from heads.draft_vocab import (
+from draftsmith.heads.draft_vocab import (
     check_same_vocabulary,
     draft_token_ids,
     draft_vocabulary,
     maps_from_token_ids,
 )
-from heads.target import Target, is_hub_id
-from train.accelerator import close_process_group
-from train.batches import make_batches, scored_tokens, split_heldout
-from train.checkpoints import TrainState
-from train.config import LoraKeys, TrainConfig, option, parse_config
-from train.estimate import LAYER_FACTOR, MemoryModel, Shape, StepSizes
-from train.loop import Recipe, StepOutput, TrainResult, start_run
-from train.on_policy import draft_sampled_batch, is_on_policy, seed_from
-from train.rows import collate_causal_lm, load_sft_dataset, read_conversations
-from train.sharding import FSDP2, load_run_target, sharding_plan, whole_module
-from train.tracking import AcceptanceEval, PeriodicEval, share_batches
+from draftsmith.targets.target import Target, is_hub_id
+from draftsmith.train.accelerator import close_process_group
+from draftsmith.train.batches import make_batches, scored_tokens, split_heldout
+from draftsmith.train.checkpoints import TrainState
+from draftsmith.train.config import LoraKeys, TrainConfig, option, parse_config
+from draftsmith.train.estimate import LAYER_FACTOR, MemoryModel, Shape, StepSizes
+from draftsmith.train.loop import Recipe, StepOutput, TrainResult, start_run
+from draftsmith.train.on_policy import draft_sampled_batch, is_on_policy, seed_from
+from draftsmith.train.rows import collate_causal_lm, load_sft_dataset, read_conversations
+from draftsmith.train.sharding import FSDP2, load_run_target, sharding_plan, whole_module
+from draftsmith.train.tracking import AcceptanceEval, PeriodicEval, share_batches
 
 FRESH_PREFIX = "fresh:"
 TRUNCATE_PREFIX = "truncate:"
@@ -154,7 +152,7 @@ class DistillConfig(LoraKeys, TrainConfig):
         100, "estimate 1 - TVD on the held-out rows every N optimizer steps, at the start and "
         "at the end (0: never)", may_change_on_resume=True)
 
-    draft_depth: int = option(6, "evaluation (and the artifact's default drafting, eval.draft): "
+    draft_depth: int = option(6, "evaluation (and the artifact's default drafting, draftsmith.eval.draft): "
                               "most draft tokens per round",
                               may_change_on_resume=True)
     draft_min_confidence: float = option(
@@ -268,7 +266,7 @@ def load_distill_rows(sources: Sequence[str], target: Target, max_length: int,
     Each row holds ``prompt_ids`` (the conversation up to its first assistant turn, with the
     target's chat template and generation prompt, as decoding will see it) and ``answered``; an
     answered row also holds the whole conversation's ``input_ids`` and ``loss_mask`` (from
-    :func:`train.rows.load_sft_dataset`), a prompt-only row its prompt as ``input_ids`` and an
+    :func:`draftsmith.train.rows.load_sft_dataset`), a prompt-only row its prompt as ``input_ids`` and an
     all-zero ``loss_mask``. Prompt-only rows are dropped when ``keep_prompt_only`` is False, and
     rows whose prompt leaves no room for a continuation within ``max_length`` always are.
     """
@@ -334,7 +332,7 @@ def load_distill_rows(sources: Sequence[str], target: Target, max_length: int,
     if prompt_only and not keep_prompt_only:
         lines.append(f"  dropped {len(prompt_only)} prompt-only rows: on_policy_ratio is 0, so "
                      f"nothing would be trained on them; let the target answer them first "
-                     f"(python -m train.data regenerate --help) or raise on_policy_ratio")
+                     f"(python -m draftsmith.train.data regenerate --help) or raise on_policy_ratio")
     elif prompt_only:
         lines.append("  (rows counted above as skipped for 'no assistant turn' are these "
                      "prompt-only rows)")
@@ -351,7 +349,7 @@ def load_distill_rows(sources: Sequence[str], target: Target, max_length: int,
 
 
 def collate_distill(rows: Sequence[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """:func:`train.rows.collate_causal_lm`'s batch plus the rows' prompts.
+    """:func:`draftsmith.train.rows.collate_causal_lm`'s batch plus the rows' prompts.
 
     Adds ``prompt_ids`` (batch, longest prompt) right-padded, ``prompt_length`` (batch,) and
     ``answered`` (batch,) bool.
@@ -409,7 +407,7 @@ def distill_loss(model: nn.Module, target: Target, batch: dict, cfg: DistillConf
                  reduction: str = "mean", with_tvd: bool = False) -> ProjectedDivergence:
     """The divergence over the positions that predict loss-mask tokens, with the argmax
     agreement (and the TVD sum): from the two models' final hidden states, the logits formed a
-    chunk at a time (distill/projected.py), unless a sharded model or a wrapped LM head needs
+    chunk at a time (heads/distill_projected.py), unless a sharded model or a wrapped LM head needs
     whole (n, vocab) logits."""
     projected = projects_from_states(model, target, cfg.target_parallel > 1)
     return distill_scores(model, target, batch, cfg, reduction=reduction, with_tvd=with_tvd,
@@ -446,7 +444,7 @@ class HeldOutAcceptance(PeriodicEval):
         if plan.shards_target and not all(row["answered"] for row in rows):
             raise ValueError("held-out rows without an answer are answered by the target, one "
                              "generation per process, which a sharded target cannot do; answer "
-                             "them first (python -m train.data regenerate) or set heldout_every: "
+                             "them first (python -m draftsmith.train.data regenerate) or set heldout_every: "
                              "0")
         size = cfg.per_device_batch_size
         for index, chosen in enumerate(share_batches(len(rows), accelerator, size, plan.any)):
@@ -525,7 +523,7 @@ def memory_parts(cfg, target: Shape, sizes: StepSizes) -> dict[str, float]:
     """The trained draft with AdamW (a frozen embedding apart), its activations with the float32
     residual stream of its float32 master weights, the target's forward, and the loss: chunks of
     both models' logits from their final states, or whole (n, vocab) logits where a sharded
-    target or draft needs them (distill/projected.py)."""
+    target or draft needs them (heads/distill_projected.py)."""
     n, act = sizes.tokens, sizes.act
     parts: dict[str, float] = {}
     d = sizes.draft or target
@@ -551,7 +549,7 @@ def memory_parts(cfg, target: Shape, sizes: StepSizes) -> dict[str, float]:
         sizes.optimizer(trained, largest)
     parts[f"draft activations ({layers} layers)"] = kept * n
     parts["target forward"] = sizes.target_forward + n * target.hidden * act
-    # the loss holds the trained LM head's gradient, float32, for backward (distill/projected.py)
+    # the loss holds the trained LM head's gradient, float32, for backward (heads/distill_projected.py)
     parts["loss's gradient buffers"] = (0 if cfg.lora else (
         cfg.draft_vocab_size or d.vocab) * d.hidden * 4) + n * d.hidden * 4
     chunk = min(cfg.loss_chunk_size, n)
@@ -567,7 +565,7 @@ def memory_parts(cfg, target: Shape, sizes: StepSizes) -> dict[str, float]:
 
 # float32 (chunk, vocab) tensors a chunk of the projected divergence holds at once (both logits
 # and log-softmaxes, the kernel's terms, the gradient), measured with
-# train.memory_probe.allocation_peak: 6.75 for forward_kl, reverse_kl and tvd; 8.5 for jsd
+# draftsmith.train.memory_probe.allocation_peak: 6.75 for forward_kl, reverse_kl and tvd; 8.5 for jsd
 DISTILL_CHUNK_COPIES = {False: 7, True: 9}
 
 
@@ -681,7 +679,7 @@ def export(cfg: DistillConfig, accelerator, target: Target, kept: torch.Tensor |
                                   "on_policy_ratio": cfg.on_policy_ratio, "lora": cfg.lora,
                                   "steps": result.state.step, PROPOSAL_KEY: proposal(cfg)})
         module = plain
-        measure = shell_command("python", "-m", "eval.bench", "--target", cfg.target, "--method",
+        measure = shell_command("python", "-m", "draftsmith.eval.bench", "--target", cfg.target, "--method",
                                 "plain", "--method", f"draft:{artifact}", "--prompts",
                                 cfg.eval_prompts)
         accelerator.print(f"[draftsmith] draft written to {artifact}; measure it with {measure}")

@@ -23,7 +23,7 @@ Features come from the frozen target in one of two ways (``feature_mode``), givi
   several epochs. Every process writes its share of the cache; a finished cache is reused, and a
   run from it (with ``eval_every 0``) loads only the target's embedding, final norm and LM head.
   Disk for EAGLE-3 on smollm2-135m in bf16: 3.5 KB per token plus 1.2 KB per scored token (see
-  ``train/eagle_features.py``).
+  ``train/features.py``).
 
 ``packing: true`` lays each micro-batch's rows end to end in one row (positions restarting at
 each row; the target and the head attend within it): no padding, the same loss. The test-time
@@ -32,8 +32,8 @@ heads/ttt_attention.py). A target too large for one GPU is sharded over ``target
 processes and the head may be trained under FSDP2 (``accelerate launch --config_file
 configs/accelerate/fsdp2.yaml``; train/sharding.py).
 
-Training data is what ``train.rows.load_sft_dataset`` reads. EAGLE recommends answers the target
-wrote itself; write them first with ``python -m train.data regenerate`` (see the configs). The
+Training data is what ``draftsmith.train.rows.load_sft_dataset`` reads. EAGLE recommends answers the target
+wrote itself; write them first with ``python -m draftsmith.train.data regenerate`` (see the configs). The
 draft vocabulary (``d2t``/``t2d``) is computed from the data's assistant tokens the same way on
 every process, saved with the head in every checkpoint and checked again on resume.
 
@@ -46,7 +46,7 @@ draft vocabulary's coverage of the assistant tokens; every ``eval_every`` steps 
 (``eval_prompts``, MT-bench by default, never trained on).
 
 At the end ``<output_dir>/artifact`` holds the head (``draftsmith export`` turns it into the
-vLLM, SGLang and speculators layouts; ``python -m eval.bench --method eagle:<artifact>``
+vLLM, SGLang and speculators layouts; ``python -m draftsmith.eval.bench --method eagle:<artifact>``
 measures it).
 """
 
@@ -63,26 +63,33 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch
 
-from eval.eagle import DEFAULT_DEPTH, DEFAULT_TOPK, DEFAULT_TREE_NODES, EagleProposer
-from heads import draft_vocab
-from heads.command_line import run_command
-from heads.eagle import (
+from draftsmith.eval.eagle import DEFAULT_DEPTH, DEFAULT_TOPK, DEFAULT_TREE_NODES, EagleProposer
+from draftsmith.files.command_line import run_command
+from draftsmith.heads import draft_vocab
+from draftsmith.heads.eagle import (
     DEFAULT_CE_WEIGHT,
     DEFAULT_STEP_DECAY,
     DEFAULT_TTT_STEPS,
     EagleConfig,
     EagleHead,
 )
-from heads.eagle_loss import EagleLoss, target_features
-from heads.target import Target
-from heads.ttt_attention import resolve_backend
-from train.batches import make_batches, row_sizes
-from train.config import TrainConfig, option, parse_config
-from train.eagle_features import feature_rows, load_feature_target, target_layer_weights
-from train.estimate import EAGLE_FACTOR, EAGLE_STEP_OVERHEAD, MemoryModel, Shape, StepSizes
-from train.loop import Recipe, StepOutput, TrainResult, start_run, write_run_artifact
-from train.rows import load_sft_dataset
-from train.tracking import AcceptanceEval
+from draftsmith.heads.eagle_loss import EagleLoss
+from draftsmith.heads.ttt_attention import resolve_backend
+from draftsmith.targets.features import target_features
+from draftsmith.targets.target import Target
+from draftsmith.train.batches import make_batches, row_sizes
+from draftsmith.train.config import TrainConfig, option, parse_config
+from draftsmith.train.estimate import (
+    EAGLE_FACTOR,
+    EAGLE_STEP_OVERHEAD,
+    MemoryModel,
+    Shape,
+    StepSizes,
+)
+from draftsmith.train.features import feature_rows, load_feature_target, target_layer_weights
+from draftsmith.train.loop import Recipe, StepOutput, TrainResult, start_run, write_run_artifact
+from draftsmith.train.rows import load_sft_dataset
+from draftsmith.train.tracking import AcceptanceEval
 
 
 @dataclass
@@ -186,7 +193,7 @@ def head_config(cfg: EagleTrainConfig, target: Target) -> EagleConfig:
 
 def draft_vocabulary(dataset, config: EagleConfig) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(d2t, t2d, coverage): the draft vocabulary of the training data's assistant tokens
-    (:func:`heads.draft_vocab.draft_vocabulary`; ``coverage`` is the fraction of assistant tokens
+    (:func:`draftsmith.heads.draft_vocab.draft_vocabulary`; ``coverage`` is the fraction of assistant tokens
     whose target id has a draft id)."""
     return draft_vocab.draft_vocabulary(dataset["input_ids"], dataset["loss_mask"],
                                         config.vocab_size, config.draft_vocab_size)

@@ -5,7 +5,7 @@ the device's memory is refused with the estimate, its parts and the keys that sh
 of failing with an out-of-memory error after the target has loaded (minutes on an 8B target) or
 after the feature cache is written (hours).
 
-The estimate is the peak of one training step on one process (``python -m train.memory`` prints
+The estimate is the peak of one training step on one process (``python -m draftsmith.train.memory`` prints
 it for a config):
 
 * **weights**: the frozen target in the dtype it is loaded in (bf16 on GPU, fp32 on CPU): only
@@ -29,7 +29,7 @@ temporaries (AdamW's ``sqrt`` of the second moment: one float32 copy of every pa
 multi-tensor kernels a GPU uses, up to three of the largest parameter in the one-tensor loop a
 CPU runs)
 live in the optimizer step, after the backward has freed the activations. The peak is what is
-held plus the larger of the two phases (:attr:`Estimate.total`); ``python -m train.memory_probe``
+held plus the larger of the two phases (:attr:`Estimate.total`); ``python -m draftsmith.train.memory_probe``
 measures both phases with the allocator's own events and ``tests/test_memory_probe.py`` checks
 the plan against them.
 
@@ -60,7 +60,7 @@ EAGLE_STEP_OVERHEAD = 1280
 NO_GRAD_FACTOR = 1.15  # the frozen target's no-grad forward, per token (one layer's temporaries)
 HEADROOM = 0.92        # the share of a device's memory a run may plan to use
 # the process itself: the CUDA context and the caching allocator's slack on a GPU; on a CPU the
-# interpreter, torch, the tokenised data and glibc's retained arenas (train.speed measured 2.36 GB
+# interpreter, torch, the tokenised data and glibc's retained arenas (draftsmith.train.speed measured 2.36 GB
 # peak for 1.56 GB of tensors, an EAGLE-3 step of 2048 tokens on smollm2-135m)
 RUNTIME_BYTES = {"cuda": 2.0 * 1024 ** 3, "cpu": 1.0 * 1024 ** 3}
 
@@ -177,8 +177,8 @@ def model_shape(spec: str) -> Shape:
     """The shape of a target or draft from its config.json, without loading any weights: the
     downloaded model's, else (for a hub id not downloaded yet) the copy shipped in
     data/target_configs/ when there is one."""
-    from heads.file_formats import read_json_object
-    from heads.target import check_model_directory, is_hub_id, resolve_target
+    from draftsmith.files.file_formats import read_json_object
+    from draftsmith.targets.target import check_model_directory, is_hub_id, resolve_target
 
     try:
         return Shape.from_config(check_model_directory(resolve_target(spec)))
@@ -228,7 +228,7 @@ class StepSizes:
 
 
 # float32 (chunk, vocabulary) tensors one chunk of heads/chunked_loss.py holds at once, measured
-# with train.memory_probe.allocation_peak (256 rows, 49152 tokens): against hard labels alone 2
+# with draftsmith.train.memory_probe.allocation_peak (256 rows, 49152 tokens): against hard labels alone 2
 # (the logits and their softmax, made the gradient in place); against a teacher over the same
 # vocabulary 5 (both log-softmaxes, the teacher's distribution, the product, the gradient); with
 # teacher_columns (EAGLE-3's draft vocabulary) 5 over the draft vocabulary and the teacher's
@@ -265,7 +265,7 @@ def optimizer_step_parts(sizes: StepSizes, accumulated: bool) -> tuple[dict[str,
     of the trained parameters (held throughout when ``accumulated`` over micro-batches) and
     AdamW's temporaries: one float32 copy of every parameter in the multi-tensor kernels a GPU
     runs, up to three of the largest tensor in the one-tensor loop a CPU runs (measured with
-    train.memory_probe beyond the gradients: 2.0 copies of the tiny distillation's 113 MB
+    draftsmith.train.memory_probe beyond the gradients: 2.0 copies of the tiny distillation's 113 MB
     embedding, 3.0 of the 1-5 MB largest tensors of the tiny EAGLE-3, Medusa and DFlash)."""
     shards = max(sizes.trained_shards, 1)
     grads = sizes.trained_params * 4 / shards
@@ -325,8 +325,8 @@ class MemoryModel:
     def estimate_run(self, cfg, device: str = "cpu", processes: int = 1,
                      trained_shards: int = 1) -> Estimate:
         """:meth:`estimate` for a config, the shapes read from the target's (and a draft
-        directory's) config.json; only the parts a run loads (train.eagle_features)."""
-        from train.eagle_features import loads_target_parts
+        directory's) config.json; only the parts a run loads (draftsmith.train.features)."""
+        from draftsmith.train.features import loads_target_parts
 
         spec = self.draft_spec(cfg) if self.draft_spec else None
         draft = model_shape(spec) if spec else None

@@ -22,7 +22,7 @@ The loop owns everything that is the same for every method: the optimizer (AdamW
 learning rate of each step, ``accelerator.prepare`` of the trainable module alone (DDP; or its
 FSDP2 shards, train/sharding.py, when the launch asks for FSDP2), resuming from
 and saving checkpoints, gradient accumulation and clipping, the per-token normalisation of the loss
-over the whole optimizer step (:func:`train.batches.loss_scale`), logging, periodic evaluation,
+over the whole optimizer step (:func:`draftsmith.train.batches.loss_scale`), logging, periodic evaluation,
 stopping on SIGINT/SIGTERM, and stopping on a non-finite loss (nothing is saved or exported then,
 and the error names the step and the rows).
 """
@@ -38,15 +38,15 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from heads.artifact import save_artifact
-from heads.command_line import shell_command
-from train.accelerator import attention_kernels, close_process_group, make_accelerator
-from train.batches import TrainBatches, loss_scale, padded_tokens
-from train.checkpoints import Checkpointer, TrainState, check_resume_layout
-from train.eagle_features import feature_cache_dir
-from train.estimate import MemoryModel, check_fits
-from train.optimizer import apply_learning_rate, make_optimizer
-from train.sharding import (
+from draftsmith.files.command_line import shell_command
+from draftsmith.heads.artifact import save_artifact
+from draftsmith.train.accelerator import attention_kernels, close_process_group, make_accelerator
+from draftsmith.train.batches import TrainBatches, loss_scale, padded_tokens
+from draftsmith.train.checkpoints import Checkpointer, TrainState, check_resume_layout
+from draftsmith.train.estimate import MemoryModel, check_fits
+from draftsmith.train.features import feature_cache_dir
+from draftsmith.train.optimizer import apply_learning_rate, make_optimizer
+from draftsmith.train.sharding import (
     FSDP2,
     check_shared_directory,
     check_target_shards,
@@ -55,8 +55,8 @@ from train.sharding import (
     shard_trained,
     sharding_plan,
 )
-from train.signals import GracefulStop
-from train.tracking import MetricsLogger, PeriodicEval, peak_memory_gb
+from draftsmith.train.signals import GracefulStop
+from draftsmith.train.tracking import MetricsLogger, PeriodicEval, peak_memory_gb
 
 
 @dataclass
@@ -87,12 +87,12 @@ class Recipe:
     """What a trainer builds (``build(cfg)`` in train/<method>.py) and the loop runs.
 
     ``main(cfg)`` of every trainer is ``recipe = build(cfg); return recipe.export(recipe.train())``;
-    ``python -m train.speed`` builds the same recipe and times it.
+    ``python -m draftsmith.train.speed`` builds the same recipe and times it.
     """
 
     cfg: Any
     accelerator: Accelerator
-    target: Any  # heads.target.Target: the frozen target (never prepared)
+    target: Any  # draftsmith.targets.target.Target: the frozen target (never prepared)
     batches: TrainBatches
     model: nn.Module  # the trainable module alone
     step: Callable[[nn.Module, dict, int], StepOutput]
@@ -101,7 +101,7 @@ class Recipe:
     first_record: dict | None = None
     on_resume: Callable[[TrainState, nn.Module], None] | None = None
     # the frozen target's no-grad forward exactly as ``step`` makes it on a micro-batch (what
-    # python -m train.speed times); None: the step does not run the target (offline features)
+    # python -m draftsmith.train.speed times); None: the step does not run the target (offline features)
     target_forward: Callable[[dict], Any] | None = None
 
     def train(self, stop: GracefulStop | None = None) -> TrainResult:
@@ -114,7 +114,7 @@ class Recipe:
 def start_run(cfg, memory: MemoryModel) -> Accelerator:
     """The first step of every trainer's ``build``: the accelerator (it seeds, before any weight
     exists), then everything that can refuse the run before minutes of loading the target: the
-    sharding (:func:`train.sharding.sharding_plan`: the mesh, the launch's engine), what a
+    sharding (:func:`draftsmith.train.sharding.sharding_plan`: the mesh, the launch's engine), what a
     sharded run cannot do, the checkpoint to resume from (written with the same engine), the
     output directory (and an offline feature cache) shared by every process, and the memory
     check."""
@@ -126,7 +126,7 @@ def start_run(cfg, memory: MemoryModel) -> Accelerator:
             f"{'the trained module' if plan.trained == FSDP2 else 'the target'}: every forward "
             f"of a sharded module needs all processes at once, and each process would decode "
             f"its own prompts; set eval_every: 0 and measure the artifact with python -m "
-            f"eval.bench after training")
+            f"draftsmith.eval.bench after training")
     check_target_shards(cfg, plan)
     check_resume_layout(cfg, plan)
     check_shared_directory(accelerator, Path(cfg.output_dir), "output_dir")
@@ -153,7 +153,7 @@ def write_run_artifact(cfg, accelerator: Accelerator, result: TrainResult, *, me
                                  target.identity(), overwrite=cfg.overwrite)
         export_command = shell_command("draftsmith", "export", artifact, "--format",
                                        "vllm", "--out", Path(cfg.output_dir) / "vllm")
-        measure = shell_command("python", "-m", "eval.bench", "--target", cfg.target, "--method",
+        measure = shell_command("python", "-m", "draftsmith.eval.bench", "--target", cfg.target, "--method",
                                 "hf", "--method", f"{bench_prefix}:{artifact}", "--prompts",
                                 cfg.eval_prompts, "--num-prompts", "8")
         accelerator.print(f"[draftsmith] {method} written to {artifact}\n"

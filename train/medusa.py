@@ -9,7 +9,7 @@ Head k (k = 1..K) reads ``h_t``, the target's final-normed last hidden state at 
 is trained on token t+1+k (where ``loss_mask`` scores it) with weight ``loss_decay``**k: against
 the data's token (cross-entropy), or with ``soft_labels`` against the target's own distribution
 of that token given the true prefix (self-distillation). ``regenerate: true`` first lets the
-target answer the data's prompts itself (``train.data.regenerate``) and trains on its answers, so
+target answer the data's prompts itself (``draftsmith.train.data.regenerate``) and trains on its answers, so
 that the heads learn what the target will actually write.
 
 * **Medusa-1** (default): the target is frozen; only the heads are prepared, optimised and saved.
@@ -27,7 +27,7 @@ that the heads learn what the target will actually write.
 
 Draft vocabulary (``draft_vocab_size: N``, as EAGLE-3 does): the heads guess among the N most
 frequent assistant tokens of the training rows only (chosen exactly as train/eagle.py chooses
-EAGLE-3's, :func:`heads.draft_vocab.draft_vocabulary`), through one trained (N, hidden)
+EAGLE-3's, :func:`draftsmith.heads.draft_vocab.draft_vocabulary`), through one trained (N, hidden)
 projection of their own shared by every head (``share_lm_head: true``) or a copy per head,
 initialised from the target's LM-head rows of those tokens; that cuts the vocabulary projection,
 most of a head's cost on a large vocabulary, by V / N per step. Hard labels whose token has no
@@ -55,9 +55,9 @@ speculative engine with that tree.
 
 At the end the heads' per-rank accuracies on the held-out rows give the static token tree
 (``tree_nodes: auto``: the node count that maximises expected tau per measured verification
-cost on this machine, see ``eval.tree_auto.size_medusa_tree``; or a fixed node count), saved in
+cost on this machine, see ``draftsmith.eval.tree_auto.size_medusa_tree``; or a fixed node count), saved in
 ``<output_dir>/artifact`` with the heads; ``final/expected_tau`` and (with ``eval_every`` > 0)
-``final/tau`` measured with that tree are logged. ``python -m eval.bench --method
+``final/tau`` measured with that tree are logged. ``python -m draftsmith.eval.bench --method
 medusa:<artifact>`` measures it; ``draftsmith export`` writes the vLLM / TensorRT-LLM layouts.
 """
 
@@ -79,13 +79,14 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 from torch import nn
 
-from distill.draft import add_lora, merge_lora
-from eval.medusa import MedusaProposer
-from eval.tree_auto import size_medusa_tree
-from heads.artifact import FORMAT_VERSION, check_finite
-from heads.command_line import run_command, shell_command
-from heads.draft_vocab import check_same_vocabulary, draft_vocabulary
-from heads.medusa import (
+from draftsmith.eval.medusa import MedusaProposer
+from draftsmith.eval.tree_auto import size_medusa_tree
+from draftsmith.files.command_line import run_command, shell_command
+from draftsmith.files.output_dir import write_dir
+from draftsmith.heads.artifact import FORMAT_VERSION, check_finite
+from draftsmith.heads.distill import add_lora, merge_lora
+from draftsmith.heads.draft_vocab import check_same_vocabulary, draft_vocabulary
+from draftsmith.heads.medusa import (
     ADAPTED_TARGET_INFO_KEY,
     MedusaHeads,
     accuracy_metrics,
@@ -93,25 +94,24 @@ from heads.medusa import (
     rank_accuracy,
     save_medusa,
 )
-from heads.medusa_loss import (
+from draftsmith.heads.medusa_loss import (
     DEFAULT_LOSS_DECAY,
     MedusaObjective,
     StepStats,
     target_hidden,
 )
-from heads.medusa_tree import choose_tree, default_chain, expected_tau
-from heads.output_dir import write_dir
-from heads.target import Target, wrap_target
-from train.accelerator import close_process_group
-from train.batches import make_batches, row_sizes, split_heldout
-from train.checkpoints import TrainState
-from train.config import LoraKeys, TrainConfig, option, parse_config
-from train.estimate import LAYER_FACTOR, MemoryModel, Shape, StepSizes
-from train.loop import Recipe, StepOutput, TrainResult, start_run
-from train.regenerate import merge_shards, regenerate
-from train.rows import collate_causal_lm, load_sft_dataset
-from train.sharding import load_run_target, sharding_plan, whole_module
-from train.tracking import AcceptanceEval, PeriodicEval, share_batches
+from draftsmith.heads.medusa_tree import choose_tree, default_chain, expected_tau
+from draftsmith.targets.target import Target, wrap_target
+from draftsmith.train.accelerator import close_process_group
+from draftsmith.train.batches import make_batches, row_sizes, split_heldout
+from draftsmith.train.checkpoints import TrainState
+from draftsmith.train.config import LoraKeys, TrainConfig, option, parse_config
+from draftsmith.train.estimate import LAYER_FACTOR, MemoryModel, Shape, StepSizes
+from draftsmith.train.loop import Recipe, StepOutput, TrainResult, start_run
+from draftsmith.train.regenerate import merge_shards, regenerate
+from draftsmith.train.rows import collate_causal_lm, load_sft_dataset
+from draftsmith.train.sharding import load_run_target, sharding_plan, whole_module
+from draftsmith.train.tracking import AcceptanceEval, PeriodicEval, share_batches
 
 _MEDUSA2_ONLY = {"kl_weight": 1.0, "lm_loss_weight": 0.0, "lora_r": 16, "lora_alpha": 32.0,
                  "lora_dropout": 0.0, "lora_target_modules": ["all-linear"]}
@@ -141,7 +141,7 @@ class MedusaTrainConfig(LoraKeys, TrainConfig):
         "given the true prefix, instead of the data's token")
 
     regenerate: bool = option(
-        False, "first let the target answer the data's prompts itself (train.data.regenerate, "
+        False, "first let the target answer the data's prompts itself (draftsmith.train.data.regenerate, "
         "into <output_dir>/regenerated.jsonl; resumable) and train on its answers")
     regenerate_max_new_tokens: int = option(512, "regenerate: longest answer in tokens")
     regenerate_temperature: float = option(0.7, "regenerate: sampling temperature (0: greedy)")
@@ -184,7 +184,7 @@ class MedusaTrainConfig(LoraKeys, TrainConfig):
             why = ("medusa2 trains a copy of the target" if self.medusa2 else
                    "regenerate: true answers the prompts with the target, each process its own")
             fix = ("train Medusa-1" if self.medusa2 else
-                   "regenerate the data first (python -m train.data regenerate)")
+                   "regenerate the data first (python -m draftsmith.train.data regenerate)")
             raise ValueError(f"target_parallel is {self.target_parallel}, but {why}; a sharded "
                              f"target serves frozen forwards in lockstep only: set "
                              f"target_parallel: 1, or {fix}")
@@ -236,7 +236,7 @@ class MedusaTrainConfig(LoraKeys, TrainConfig):
 
 
 def loss_options(cfg: MedusaTrainConfig) -> dict:
-    """The config's keys for :class:`heads.medusa_loss.MedusaObjective`."""
+    """The config's keys for :class:`draftsmith.heads.medusa_loss.MedusaObjective`."""
     return {"loss_decay": cfg.loss_decay, "soft_labels": cfg.soft_labels,
             "heads_loss_weight": cfg.heads_loss_weight, "kl_weight": cfg.kl_weight,
             "lm_loss_weight": cfg.lm_loss_weight, "loss_chunk_size": cfg.loss_chunk_size}
@@ -420,7 +420,7 @@ def save_adapted_target(model: nn.Module, tokenizer, out_dir: Path, base_identit
     """The merged Medusa-2 target as a plain Hugging Face directory with the tokenizer.
 
     config.json gets a ``draftsmith`` block (method ``medusa2-target``, the original target's
-    identity, the weights' digest) that ``heads.medusa.load_medusa`` checks.
+    identity, the weights' digest) that ``draftsmith.heads.medusa.load_medusa`` checks.
     """
     model.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
@@ -528,7 +528,7 @@ def build(cfg: MedusaTrainConfig) -> Recipe:
         raise ValueError("tree_nodes is auto, which times the target and heads on the main "
                          "process alone, but this run shards them (every forward needs all "
                          "processes): give a node count (tree_nodes: 60, say), or size the tree "
-                         "afterwards with python -m eval.bench --tree auto")
+                         "afterwards with python -m draftsmith.eval.bench --tree auto")
     target = load_run_target(cfg, accelerator)  # frozen; never prepared; maybe sharded
     pad_id = target.tokenizer.pad_token_id
     pad_id = target.eos_token_ids[0] if pad_id is None else pad_id
@@ -654,7 +654,7 @@ def export(cfg: MedusaTrainConfig, accelerator, target: Target, heldout: HeldOut
             fmt = "vllm-0.32" if cfg.draft_vocab_size is not None else "trtllm"
             export_command = shell_command("draftsmith", "export", artifact, "--format",
                                            fmt, "--out", Path(cfg.output_dir) / fmt)
-            measure = shell_command("python", "-m", "eval.bench", "--target", bench_target,
+            measure = shell_command("python", "-m", "draftsmith.eval.bench", "--target", bench_target,
                                     "--method", "plain", "--method", f"medusa:{artifact}",
                                     "--prompts", cfg.eval_prompts)
             accelerator.print(

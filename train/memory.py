@@ -1,11 +1,11 @@
-"""``python -m train.memory``: the memory estimate a training run is checked against.
+"""``python -m draftsmith.train.memory``: the memory estimate a training run is checked against.
 
-    python -m train.memory --config configs/eagle/llama-3.1-8b-instruct.yaml --processes 8
+    python -m draftsmith.train.memory --config configs/eagle/llama-3.1-8b-instruct.yaml --processes 8
 
 Reads nothing but config.json files. The estimate itself (the parts every run has, the
 constants measured in ``reports/memory_growth.json``, the check) is train/estimate.py; each
 trainer counts its own parts beside its recipe (``MEMORY`` in train/<method>.py), found through
-``train.recipes.TRAINERS``.
+``draftsmith.train.recipes.TRAINERS``.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from heads.command_line import program, run_command
-from train.config import parse_config
-from train.estimate import Estimate, Shape
-from train.recipes import TRAINERS, trainer_of
+from draftsmith.files.command_line import program, run_command
+from draftsmith.train.config import parse_config
+from draftsmith.train.estimate import Estimate, Shape
+from draftsmith.train.recipes import TRAINERS, trainer_of
 
 
 def estimate(trainer: str, cfg, target: Shape, *, device: str = "cpu", processes: int = 1,
@@ -34,9 +34,9 @@ def estimate_run(trainer: str, cfg, device: str = "cpu", processes: int = 1) -> 
 
 
 def main(argv: list[str] | None = None) -> Estimate:
-    """``python -m train.memory --config CONFIG [--device cuda] [--processes 8] [--key value]``:
+    """``python -m draftsmith.train.memory --config CONFIG [--device cuda] [--processes 8] [--key value]``:
     the estimate a run would be checked against, without loading anything but config.json."""
-    parser = argparse.ArgumentParser(prog=program("python -m train.memory"), description=main.__doc__)
+    parser = argparse.ArgumentParser(prog=program("python -m draftsmith.train.memory"), description=main.__doc__)
     parser.add_argument("--config", required=True)
     parser.add_argument("--trainer", choices=sorted(TRAINERS), default=None)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -67,4 +67,4 @@ def main(argv: list[str] | None = None) -> Estimate:
 
 
 if __name__ == "__main__":
-    sys.exit(run_command(main, "python -m train.memory"))
+    sys.exit(run_command(main, "python -m draftsmith.train.memory"))

@@ -1,6 +1,6 @@
 """What a training step really holds, measured by the allocator, beside what the planner planned.
 
-    python -m train.memory_probe --config configs/eagle/tiny.yaml [--steps 2] [--key value ...]
+    python -m draftsmith.train.memory_probe --config configs/eagle/tiny.yaml [--steps 2] [--key value ...]
 
 Builds the trainer's recipe as ``train/<method>.py`` does (evaluation, checkpoints and W&B off,
 a temporary output directory), then runs ``steps`` optimizer steps and measures:
@@ -16,7 +16,7 @@ a temporary output directory), then runs ``steps`` optimizer steps and measures:
   frozen target's weights excluded): what the planner's "activations" terms stand for;
 * ``trained_parameters`` and ``frozen_target_parameters``: counted on the modules;
 
-and prints one JSON object with them beside the planner's parts (``train.memory``'s estimate for
+and prints one JSON object with them beside the planner's parts (``draftsmith.train.memory``'s estimate for
 the same config, device and process count) and ``planned_tensors`` (its total less the process
 term, which is not tensors) over ``measured_tensors`` (``held_before + step_peak``). The process
 term itself is ``resident - measured_tensors`` on a CPU: the resident set's high-water mark
@@ -37,11 +37,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from heads.command_line import program, run_command
-from train.config import parse_config
-from train.estimate import GIB
-from train.recipes import TRAINERS, Trainer, trainer_of
-from train.speed import resident_high_water_gib
+from draftsmith.files.command_line import program, run_command
+from draftsmith.train.config import parse_config
+from draftsmith.train.estimate import GIB
+from draftsmith.train.recipes import TRAINERS, Trainer, trainer_of
+from draftsmith.train.speed import resident_high_water_gib
 
 PROCESS_PART = "process"  # the estimate's process term starts with this word
 
@@ -219,7 +219,7 @@ def probe(trainer: Trainer | str, argv: list[str], steps: int = 2) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog=program("python -m train.memory_probe"),
+    parser = argparse.ArgumentParser(prog=program("python -m draftsmith.train.memory_probe"),
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="a trainer config, configs/<method>/...")
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps measured")
@@ -240,4 +240,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(run_command(main, "python -m train.memory_probe"))
+    sys.exit(run_command(main, "python -m draftsmith.train.memory_probe"))

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from train.rows import collate_causal_lm
+from draftsmith.train.rows import collate_causal_lm
 
 
 def seed_from(*parts: int) -> int:
@@ -83,7 +83,7 @@ def draft_sampled_batch(batch: dict, draft: nn.Module, on_policy: bool, *, max_n
     Rows to sample (every row when ``on_policy``, else the prompt-only ones) become prompt + the
     draft's continuation (cut to ``max_length``), with ``loss_mask`` 1 exactly on the sampled
     tokens; the other rows keep their data. Returned right-padded as
-    :func:`train.rows.collate_causal_lm` pads, on the batch's device. ``draft`` is the unwrapped
+    :func:`draftsmith.train.rows.collate_causal_lm` pads, on the batch's device. ``draft`` is the unwrapped
     model (``generate`` under no_grad).
     """
     answered = batch["answered"].tolist()

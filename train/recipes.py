@@ -1,10 +1,10 @@
 """The train floor's table: every trainer, its config class, its recipe and its memory model.
 
 One row per trainer (``train/<name>.py``, configs under ``configs/<name>/``), naming the draft
-method it trains (the column of ``heads.methods.HEAD_METHODS``): its config dataclass, ``build``
-(the :class:`train.loop.Recipe`), ``main`` and its :class:`train.estimate.MemoryModel` (the
-memory one step adds and the keys that shrink it). ``python -m train.speed`` and
-``python -m train.memory`` find trainers here and nowhere else.
+method it trains (the column of ``draftsmith.heads.methods.HEAD_METHODS``): its config dataclass, ``build``
+(the :class:`draftsmith.train.loop.Recipe`), ``main`` and its :class:`draftsmith.train.estimate.MemoryModel` (the
+memory one step adds and the keys that shrink it). ``python -m draftsmith.train.speed`` and
+``python -m draftsmith.train.memory`` find trainers here and nowhere else.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from train import dflash, distill, eagle, medusa
-from train.estimate import MemoryModel
+from draftsmith.train import dflash, distill, eagle, medusa
+from draftsmith.train.estimate import MemoryModel
 
 
 @dataclass(frozen=True)
@@ -22,9 +22,9 @@ class Trainer:
     """One trainer on the train floor."""
 
     name: str  # train/<name>.py, configs/<name>/
-    column: str  # the draft method it trains (heads.methods.HEAD_METHODS)
+    column: str  # the draft method it trains (draftsmith.heads.methods.HEAD_METHODS)
     config_class: type
-    build: Callable  # cfg -> train.loop.Recipe
+    build: Callable  # cfg -> draftsmith.train.loop.Recipe
     main: Callable  # cfg -> dict (the recipe trained and exported)
     memory: MemoryModel
 

@@ -3,18 +3,18 @@
 :func:`regenerate` lets the target answer every user turn of the prompts itself, through
 ``transformers`` in this process (``--backend hf``) or any OpenAI-compatible server
 (``--backend openai``), sharded over processes and resumable, and writes the conversations as
-JSONL (``messages`` format) that :func:`train.rows.load_sft_dataset` reads
-back. ``python -m train.data`` is this module's command line::
+JSONL (``messages`` format) that :func:`draftsmith.train.rows.load_sft_dataset` reads
+back. ``python -m draftsmith.train.data`` is this module's command line::
 
-    python -m train.data regenerate --target smollm2-135m --data a.json b.jsonl \\
+    python -m draftsmith.train.data regenerate --target smollm2-135m --data a.json b.jsonl \\
         --out answers.jsonl --max-new-tokens 512 --temperature 0.7 --batch-size 16
-    python -m train.data regenerate --backend openai --url http://127.0.0.1:8000/v1 \\
+    python -m draftsmith.train.data regenerate --backend openai --url http://127.0.0.1:8000/v1 \\
         --model NAME --target TARGET --data a.json --out answers.jsonl --concurrency 64
-    torchrun --nproc_per_node 8 -m train.data regenerate --target TARGET --data a.json \\
+    torchrun --nproc_per_node 8 -m draftsmith.train.data regenerate --target TARGET --data a.json \\
         --out answers.jsonl          # one shard per process, merged when the last one ends
-    python -m train.data regenerate ... --shard 3/8   # shard 3 of 8 (counting from 0)
-    python -m train.data merge --out answers.jsonl    # join answers.shard-I-of-N.jsonl
-    python -m train.data inspect --target smollm2-135m --data answers.jsonl
+    python -m draftsmith.train.data regenerate ... --shard 3/8   # shard 3 of 8 (counting from 0)
+    python -m draftsmith.train.data merge --out answers.jsonl    # join answers.shard-I-of-N.jsonl
+    python -m draftsmith.train.data inspect --target smollm2-135m --data answers.jsonl
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from heads.command_line import program, run_command
-from heads.output_dir import named_paths, refuse_inputs
-from heads.target import Target
-from train.regenerate_backends import (
+from draftsmith.files.command_line import program, run_command
+from draftsmith.files.output_dir import named_paths, refuse_inputs
+from draftsmith.targets.target import Target
+from draftsmith.train.regenerate_backends import (
     Answer,
     BadAnswer,
     HFBackend,
@@ -45,7 +45,7 @@ from train.regenerate_backends import (
     answer_problem,
     check_server_tokens,
 )
-from train.regenerate_files import (
+from draftsmith.train.regenerate_files import (
     Writer,
     answered,
     done_path,
@@ -54,7 +54,7 @@ from train.regenerate_files import (
     shard_path,
     write_done,
 )
-from train.rows import (
+from draftsmith.train.rows import (
     DataReport,
     default_cache_dir,
     examples,
@@ -207,7 +207,7 @@ def regenerate(
     conversations in flight. ``temperature`` 0 is greedy. Returns the number of conversations
     answered by this call.
 
-    A turn whose answer cannot be a training row (:class:`~train.regenerate_backends.BadAnswer`:
+    A turn whose answer cannot be a training row (:class:`~draftsmith.train.regenerate_backends.BadAnswer`:
     empty, not text, cut short by the server, ended abnormally, not given within the timeout, a
     request the server kept failing) is asked
     once more; if it fails again its conversation is not written, the others go on, and at the
@@ -457,9 +457,9 @@ def _launcher_shard() -> tuple[int, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m train.data regenerate|inspect|merge``; a user's mistake (a ValueError or
+    """``python -m draftsmith.train.data regenerate|inspect|merge``; a user's mistake (a ValueError or
     FileNotFoundError) is one line on stderr and exit status 2."""
-    parser = argparse.ArgumentParser(prog=program("python -m train.data"),
+    parser = argparse.ArgumentParser(prog=program("python -m draftsmith.train.data"),
                                      description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     regen_parser = commands.add_parser(
@@ -529,9 +529,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                               help="merge shards that have not finished too")
     args = parser.parse_args(argv)
     try:
-        return run_command(lambda: _errors_in_one_line(_run, args, parser), "python -m train.data")
+        return run_command(lambda: _errors_in_one_line(_run, args, parser), "python -m draftsmith.train.data")
     except KeyboardInterrupt:
-        print("python -m train.data: interrupted; what was written so far is kept whole (run "
+        print("python -m draftsmith.train.data: interrupted; what was written so far is kept whole (run "
               "the same command again to continue where it stopped)", file=sys.stderr, flush=True)
         return 130
 
@@ -579,7 +579,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         if args.backend == "openai":
             backend = _openai_backend(args, parser)
         else:
-            from heads.target import load_target
+            from draftsmith.targets.target import load_target
 
             device = args.device
             if device is None and torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
@@ -601,7 +601,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     else:
         from transformers import AutoTokenizer
 
-        from heads.target import resolve_target
+        from draftsmith.targets.target import resolve_target
 
         tokenizer = AutoTokenizer.from_pretrained(str(resolve_target(args.target)),
                                                   trust_remote_code=False)
@@ -615,7 +615,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 def _openai_backend(args, parser) -> OpenAIBackend:
     from transformers import AutoConfig, AutoTokenizer
 
-    from heads.target import resolve_target
+    from draftsmith.targets.target import resolve_target
 
     if not args.url or not args.model:
         parser.error("--backend openai needs --url (e.g. http://127.0.0.1:8000/v1) and --model")

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from heads.target import Target
-from train.rows import (
+from draftsmith.targets.target import Target
+from draftsmith.train.rows import (
     RowError,
     tokenize_conversation,
 )

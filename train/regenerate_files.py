@@ -1,4 +1,4 @@
-"""The files :mod:`train.regenerate` writes and reads back: the rows, the settings they record,
+"""The files :mod:`draftsmith.train.regenerate` writes and reads back: the rows, the settings they record,
 resuming a file left half-written, the shard files, their finished marks and the merge.
 
 * Each row is ``{"messages", "prompt_index", "turns", "finished", "cut", "settings"}``; the
@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from heads.output_dir import write_atomic
+from draftsmith.files.output_dir import write_atomic
 
 # the setting each key of a row's "settings" records, as the command line spells it
 SETTING_FLAGS = {"backend": "--backend", "model": "--model", "max_new_tokens": "--max-new-tokens",

@@ -40,7 +40,7 @@ files and the report instead of tokenising again. The first process to ask token
 ranks of a distributed run tokenise once between them.
 
 Self-distillation (the target's own answers to the prompts, written as training rows) is
-train/regenerate.py; ``python -m train.data regenerate|merge|inspect`` is its command line.
+train/regenerate.py; ``python -m draftsmith.train.data regenerate|merge|inspect`` is its command line.
 """
 
 from __future__ import annotations
@@ -63,16 +63,16 @@ import datasets
 import torch
 from jinja2.exceptions import TemplateError
 
-from heads.file_formats import FileFormatError
-from heads.output_dir import write_dir
-from heads.target import cache_root
+from draftsmith.files.file_formats import FileFormatError
+from draftsmith.files.output_dir import write_dir
+from draftsmith.targets.target import cache_root
 
 ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
          "assistant": "assistant"}
 # Bump when the tokenisation below changes, so that old caches are not reused.
 CACHE_VERSION = "1"
 _REPORT_FILE = "report.json"
-_CACHE_KIND = "tokenised-data"  # the heads.output_dir marker kind of a cache directory
+_CACHE_KIND = "tokenised-data"  # the draftsmith.files.output_dir marker kind of a cache directory
 
 
 class RowError(ValueError):
@@ -134,7 +134,7 @@ class DataReport:
                      f"skipped, {totals['truncated']} truncated (row numbers count from 0)")
         if any("no assistant turn" in s.skipped for s in self.sources.values()):
             lines.append("rows with no assistant turn can be answered by the target itself: "
-                         "python -m train.data regenerate --help")
+                         "python -m draftsmith.train.data regenerate --help")
         return "\n".join(lines)
 
     def totals(self) -> dict[str, int]:
@@ -630,7 +630,7 @@ def _tokenize_into(cache: Path, names: list[str], tokenizer, max_length: int | N
         (tmp / _REPORT_FILE).write_text(json.dumps(report.to_dict()))
 
     # written beside the final directory and renamed: a crash never leaves half a cache, and what
-    # a killed tokenisation leaves beside it is removed by the next one (heads.output_dir)
+    # a killed tokenisation leaves beside it is removed by the next one (draftsmith.files.output_dir)
     write_dir(cache, fill, kind=_CACHE_KIND)
 
 

@@ -13,7 +13,7 @@ and random states, torch the sharding and its checkpoints.
 The frozen target is sharded by the training config (``target_parallel``: how many processes
 hold one copy of it between them), over a 2-D mesh ``(replicate, shard)`` of
 ``(processes / target_parallel, target_parallel)``: each group of ``target_parallel`` processes
-holds one copy, every process keeps its own batch (heads/target_shards.py).
+holds one copy, every process keeps its own batch (targets/shards.py).
 
 Checkpoints of an FSDP2 run hold the module and optimizer in ``dcp/`` (``torch.distributed
 .checkpoint``: one file per process plus ``.metadata``), which loads at any number of processes;
@@ -317,11 +317,11 @@ def check_shared_directory(accelerator, directory: Path, what: str) -> None:
 
 def check_target_shards(cfg, plan: ShardingPlan) -> None:
     """Refuse, from the target's config.json alone, more shards than its layers can be split
-    into (:func:`heads.target_shards.check_shards`)."""
+    into (:func:`draftsmith.targets.shards.check_shards`)."""
     if not plan.shards_target:
         return
-    from heads.target import check_model_directory, resolve_target
-    from heads.target_shards import check_shards
+    from draftsmith.targets.shards import check_shards
+    from draftsmith.targets.target import check_model_directory, resolve_target
 
     try:
         config = check_model_directory(resolve_target(cfg.target))
@@ -333,16 +333,16 @@ def check_target_shards(cfg, plan: ShardingPlan) -> None:
 def load_run_target(cfg, accelerator, *, parts_only: bool = False):
     """The frozen target a run trains against: whole on every process, its decoder layers
     sharded over the (replicate, shard) mesh when ``target_parallel`` > 1
-    (:func:`heads.target_shards.load_sharded_target`), or only its embedding, norm and LM head
+    (:func:`draftsmith.targets.shards.load_sharded_target`), or only its embedding, norm and LM head
     (``parts_only``: a run from a finished feature cache). Never prepared."""
-    from heads.target import load_target, load_target_parts
+    from draftsmith.targets.target import load_target, load_target_parts
 
     device = accelerator.device
     if parts_only:
         return load_target_parts(cfg.target, device=device)
     plan = sharding_plan(cfg, accelerator)
     if plan.shards_target:
-        from heads.target_shards import load_sharded_target
+        from draftsmith.targets.shards import load_sharded_target
 
         return load_sharded_target(cfg.target, target_mesh(device, plan.target_parallel),
                                    device=device)

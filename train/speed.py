@@ -1,6 +1,6 @@
 """How fast a trainer learns, measured: real tokens per second beside the target's own forward.
 
-    python -m train.speed --config configs/eagle/smollm2-135m.yaml --steps 20 [--warmup 3]
+    python -m draftsmith.train.speed --config configs/eagle/smollm2-135m.yaml --steps 20 [--warmup 3]
                           [--trainer eagle] [--key value ...]
 
 Builds the trainer's recipe exactly as ``train/<method>.py`` does (the method is the config's
@@ -18,10 +18,10 @@ prints one JSON object:
 * ``peak_memory_gb`` (the process) and ``step_memory_gb`` (what the training steps added on top
   of the loaded target, data and module: on CUDA the allocator's peak, on Linux CPUs the resident
   set's high-water mark, reset before the first step), beside ``estimated_peak_gb``, the estimate
-  of :mod:`train.memory` that ``build`` checks against the device's memory, and
+  of :mod:`draftsmith.train.memory` that ``build`` checks against the device's memory, and
   ``estimated_tensors_gb``, the same less its process term (the CUDA context and the
   allocator's slack, which ``torch.cuda.max_memory_allocated`` does not count);
-  ``python -m train.memory_probe`` compares the tensors term by term.
+  ``python -m draftsmith.train.memory_probe`` compares the tensors term by term.
 
 Every key after the options is a config key (``--max_length 2048``, ``--max_tokens_per_batch
 8192``...); evaluation, checkpoints and W&B are off and the run goes to a temporary directory
@@ -41,9 +41,9 @@ from pathlib import Path
 
 import torch
 
-from heads.command_line import program, run_command
-from train.config import parse_config
-from train.recipes import TRAINERS, Trainer, trainer_of
+from draftsmith.files.command_line import program, run_command
+from draftsmith.train.config import parse_config
+from draftsmith.train.recipes import TRAINERS, Trainer, trainer_of
 
 
 def resident_high_water_gib() -> float | None:
@@ -159,7 +159,7 @@ def measure(trainer: Trainer | str, argv: list[str], steps: int, warmup: int) ->
         "padding": round(sum(r["padding"] for r in timed) / len(timed), 4),
         "peak_memory_gb": round(peak, 3) if peak is not None else None,
         "step_memory_gb": round(peak - before, 3) if None not in (peak, before) else None,
-        "estimated_peak_gb": round(predicted, 3),  # train.memory's, which build() checks
+        "estimated_peak_gb": round(predicted, 3),  # draftsmith.train.memory's, which build() checks
         "estimated_tensors_gb": round(predicted_tensors, 3),  # the same less the process term
         "loss_last": timed[-1]["loss"],
         "target_forward_tokens": forward_tokens,
@@ -200,7 +200,7 @@ def steps_for_budget(step_seconds: Sequence[float], probe_seconds: float, budget
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog=program("python -m train.speed"), description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=program("python -m draftsmith.train.speed"), description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="a trainer config, configs/<method>/...")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps timed")
     parser.add_argument("--warmup", type=int, default=2, help="optimizer steps run first, untimed")
@@ -217,4 +217,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(run_command(main, "python -m train.speed"))
+    sys.exit(run_command(main, "python -m draftsmith.train.speed"))

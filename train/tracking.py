@@ -31,14 +31,14 @@ import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from eval.engine import measure_acceptance
-from eval.prompts import read_prompts
-from eval.proposers import Proposer
-from eval.report import announce_wandb_run, wandb_mode
-from eval.sampling import SamplingParams
-from heads.output_dir import write_atomic
-from train.checkpoints import TrainState
-from train.config import config_to_dict
+from draftsmith.eval.engine import measure_acceptance
+from draftsmith.eval.prompts import read_prompts
+from draftsmith.eval.proposers import Proposer
+from draftsmith.eval.report import announce_wandb_run, wandb_mode
+from draftsmith.eval.sampling import SamplingParams
+from draftsmith.files.output_dir import write_atomic
+from draftsmith.train.checkpoints import TrainState
+from draftsmith.train.config import config_to_dict
 
 _REPO = Path(__file__).resolve().parents[1]
 
@@ -302,7 +302,7 @@ class AcceptanceEval(PeriodicEval):
     Every ``eval_every`` optimizer steps and at the end, every process builds a proposer from
     the current (unwrapped, eval-mode) module with ``make_proposer(module)`` and decodes its share
     of ``eval_num_prompts`` prompts of ``eval_prompts`` (chat template applied by the target) with
-    :func:`eval.engine.measure_acceptance`; the counts are summed over processes, and tau, alpha
+    :func:`draftsmith.eval.engine.measure_acceptance`; the counts are summed over processes, and tau, alpha
     and alpha per depth go to ``metrics`` as ``eval/...``.
     """
 

@@ -32,10 +32,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from heads.artifact import DRAFT_INFO_KEY, FORMAT_VERSION, check_finite
-from heads.file_formats import read_json_object
-from heads.output_dir import write_dir
-from heads.target import Target, check_model_directory, freeze, is_hub_id, resolve_target
+from draftsmith.files.file_formats import read_json_object
+from draftsmith.files.output_dir import write_dir
+from draftsmith.heads.artifact import DRAFT_INFO_KEY, FORMAT_VERSION, check_finite
+from draftsmith.targets.target import (
+    Target,
+    check_model_directory,
+    freeze,
+    is_hub_id,
+    resolve_target,
+)
 
 TRUNCATE_PREFIX = "truncate:"
 
@@ -432,7 +438,7 @@ def save_draft(model: nn.Module, tokenizer, out_dir: str | os.PathLike, target_i
                embedding_from_target: bool = False) -> Path:
     """Write a plain Hugging Face model directory for the draft, atomically.
 
-    Written by :func:`heads.output_dir.write_dir` (marked as an ``artifact``): an existing
+    Written by :func:`draftsmith.files.output_dir.write_dir` (marked as an ``artifact``): an existing
     ``out_dir`` is replaced when it is an earlier artifact (or empty), anything else only with
     ``overwrite=True``.
 

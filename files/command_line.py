@@ -22,7 +22,7 @@ _INVOKED_AS: dict[str, str] = {}  # a module's own program name -> the name the 
 
 
 def invoked_as(module_program: str, typed: str) -> None:
-    """Say that the command whose parser is named ``module_program`` (``python -m eval.bench``)
+    """Say that the command whose parser is named ``module_program`` (``python -m draftsmith.eval.bench``)
     was started as ``typed`` (``draftsmith bench``)."""
     _INVOKED_AS[module_program] = typed
 

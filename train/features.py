@@ -1,6 +1,8 @@
-"""Offline EAGLE features: run the frozen target once over a tokenised dataset, read them back.
+"""The feature cache: run the frozen target once over a tokenised dataset, read its features back.
 
-Online mode runs the target inside every training step (``heads.eagle_loss.target_features``);
+Shared by every draft that reads the target's hidden states (EAGLE heads, block drafts) and by
+the memory estimate. Online mode runs the target inside every training step
+(:func:`draftsmith.targets.features.target_features`);
 offline mode pays that once and trains from disk, which pays off over several epochs or when the
 target does not fit beside the head. Both give the same batches (keys and tensors), so the loss
 is the same (tested). Every process writes its share of the files at the same time::
@@ -60,7 +62,6 @@ import struct
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -69,11 +70,10 @@ from safetensors import safe_open
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from heads.eagle import EagleConfig
-from heads.eagle_loss import target_features
-from heads.target import Target, dtype_name
-from heads.target_shards import is_sharded
-from train.rows import collate_causal_lm, pack_rows
+from draftsmith.targets.features import FeatureSpec, target_features
+from draftsmith.targets.shards import is_sharded
+from draftsmith.targets.target import Target, dtype_name
+from draftsmith.train.rows import collate_causal_lm, pack_rows
 
 FORMAT = "draftsmith-feature-cache"
 CACHE_VERSION = 3
@@ -88,27 +88,11 @@ _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat1
 _OPEN_FILES = 64  # memory maps a reader keeps open at once
 
 
-@dataclass(frozen=True)
-class FeatureSpec:
-    """What a cache stores, for a draft that is not an EAGLE head (a block draft): the
-    hidden-state indices concatenated as ``features`` (``aux_layer_ids``) and, with ``version``
-    3, the last hidden state at the scored positions. An :class:`EagleConfig` is one already."""
-
-    aux_layer_ids: tuple[int, ...]
-    target_hidden_size: int
-    target_num_layers: int
-    version: int = 3
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        return (*self.aux_layer_ids, self.target_num_layers)
-
-
 def _width(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def row_bytes(config: EagleConfig | FeatureSpec, dtype: torch.dtype, tokens: int, scored: int) -> int:
+def row_bytes(config: FeatureSpec, dtype: torch.dtype, tokens: int, scored: int) -> int:
     """Disk bytes of one cached row of ``tokens`` tokens, ``scored`` of them scored positions."""
     width = _width(dtype)
     features = len(config.aux_layer_ids) * config.target_hidden_size * width
@@ -135,7 +119,7 @@ def _target_record(target: Target) -> dict:
     return {k: v for k, v in target.identity().items() if k not in ("path", "hub_id")}
 
 
-def _plan(dataset, config: EagleConfig | FeatureSpec, dtype: torch.dtype, max_file_bytes: int
+def _plan(dataset, config: FeatureSpec, dtype: torch.dtype, max_file_bytes: int
           ) -> tuple[dict, list[int]]:
     """(files and totals, row lengths): consecutive rows packed into files of at most
     ``max_file_bytes`` (a longer row gets a file of its own), and the data's fingerprint."""
@@ -147,7 +131,7 @@ def _plan(dataset, config: EagleConfig | FeatureSpec, dtype: torch.dtype, max_fi
         if ids.ndim != 1 or ids.shape != mask.shape or len(ids) < 1:
             raise ValueError(f"row {len(lengths)} of the dataset has input_ids of shape "
                              f"{tuple(ids.shape)} and loss_mask {tuple(mask.shape)}; expected "
-                             f"two equal non-empty 1-D sequences (train.rows.load_sft_dataset)")
+                             f"two equal non-empty 1-D sequences (draftsmith.train.rows.load_sft_dataset)")
         digest.update(struct.pack("<q", len(ids)))
         digest.update(ids.numpy().tobytes())
         digest.update(mask.numpy().tobytes())
@@ -171,7 +155,7 @@ def _plan(dataset, config: EagleConfig | FeatureSpec, dtype: torch.dtype, max_fi
     return plan, lengths
 
 
-def _key(target: Target, config: EagleConfig | FeatureSpec, dtype: torch.dtype, max_file_bytes: int) -> dict:
+def _key(target: Target, config: FeatureSpec, dtype: torch.dtype, max_file_bytes: int) -> dict:
     """What a cache is written for; a cache is reused only when all of it agrees."""
     return {
         "format": FORMAT,
@@ -278,7 +262,7 @@ def write_feature_cache(
     target: Target,
     dataset: Sequence[Mapping],
     cache_dir: str | os.PathLike,
-    config: EagleConfig | FeatureSpec,
+    config: FeatureSpec,
     *,
     process_index: int = 0,
     num_processes: int = 1,
@@ -359,7 +343,7 @@ def write_feature_cache(
     return directory
 
 
-def _layout(config: EagleConfig | FeatureSpec, dtype: torch.dtype, entry: dict
+def _layout(config: FeatureSpec, dtype: torch.dtype, entry: dict
             ) -> tuple[bytes, dict[str, int], int]:
     """(the safetensors header, each tensor's first byte in the file, the file size) of a file.
 
@@ -388,7 +372,7 @@ def _layout(config: EagleConfig | FeatureSpec, dtype: torch.dtype, entry: dict
             start + offset)
 
 
-def _write_file(target: Target, dataset, directory: Path, config: EagleConfig | FeatureSpec,
+def _write_file(target: Target, dataset, directory: Path, config: FeatureSpec,
                 dtype: torch.dtype, entry: dict, batch_size: int, bar, writer) -> None:
     """One file, streamed to a temporary name batch by batch, then renamed (atomic). The
     target runs here; ``writer`` (one thread) does every write, in order, at most two batches
@@ -476,7 +460,7 @@ class FeatureCache(Dataset):
     at most 64 at once, so each DataLoader worker (``num_workers``, which prefetch) maps its own.
     """
 
-    def __init__(self, directory: str | os.PathLike, config: EagleConfig | FeatureSpec,
+    def __init__(self, directory: str | os.PathLike, config: FeatureSpec,
                  target: Target | None = None):
         self.directory = Path(directory)
         if not (self.directory / INDEX).is_file():
@@ -548,7 +532,7 @@ def collate_features(rows: Sequence[Mapping], pad_token_id: int,
 
     input_ids, attention_mask, loss_mask, labels as ``collate_causal_lm``; features (B, S, F) and
     last_hidden (B, S, h) zero-padded (EAGLE-1: last_hidden is features). ``packed``: the rows
-    end to end in one row with their position_ids (:func:`train.rows.pack_rows`).
+    end to end in one row with their position_ids (:func:`draftsmith.train.rows.pack_rows`).
     """
     if packed:
         batch = pack_rows(rows, keys=[k for k in ("features", "last_hidden") if k in rows[0]])
@@ -586,8 +570,8 @@ def loads_target_parts(cfg) -> bool:
 def load_feature_target(cfg, accelerator) -> Target:
     """The target a run needs: only its embedding, final norm and LM head when it trains from a
     finished cache without evaluating (:func:`loads_target_parts`), else all of it (sharded
-    when ``target_parallel`` > 1: :func:`train.sharding.load_run_target`)."""
-    from train.sharding import load_run_target
+    when ``target_parallel`` > 1: :func:`draftsmith.train.sharding.load_run_target`)."""
+    from draftsmith.train.sharding import load_run_target
 
     return load_run_target(cfg, accelerator, parts_only=loads_target_parts(cfg))
 
@@ -599,7 +583,7 @@ def target_layer_weights(target: Target, layer: int, names: Sequence[str]) -> di
     exist only on the meta device). Names the layer lacks are left out."""
     from torch.distributed.tensor import DTensor
 
-    from heads.target import _read_checkpoint_tensors
+    from draftsmith.targets.target import _read_checkpoint_tensors
 
     module = target.layers[layer]
     own = {**dict(module.named_parameters()), **dict(module.named_buffers())}

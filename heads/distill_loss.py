@@ -40,7 +40,7 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from heads.chunked_loss import next_token_mask
+from draftsmith.heads.chunked_loss import next_token_mask
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tvd")
 # 256 positions x 49152 tokens x 4 bytes = 50 MB per float32 temporary; a chunk makes about eight.

@@ -28,7 +28,7 @@ with extra forwards, and evaluations that decode per process are refused with a 
 The weights are read from the safetensors checkpoint one layer at a time (every process reads a
 layer whole and keeps its shard), never the whole model on one process; the model is built on
 the meta device first. The identity (fingerprint, digest) is read from the checkpoint, as for
-:func:`heads.target.load_target_parts`.
+:func:`draftsmith.targets.target.load_target_parts`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from heads.target import (
+from draftsmith.targets.target import (
     EMBEDDED_TARGETS,
     Target,
     _read_checkpoint_tensors,
@@ -83,7 +83,7 @@ def load_sharded_target(
 ) -> Target:
     """The frozen target with its decoder layers sharded over ``mesh`` (a 1-D mesh, or a 2-D
     ``(replicate, shard)`` one), everything else whole (see the module docstring). Safetensors
-    model directories (and what :func:`heads.target.resolve_target` turns into one)."""
+    model directories (and what :func:`draftsmith.targets.target.resolve_target` turns into one)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, distribute_tensor
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig

@@ -1,16 +1,16 @@
 """Distillation divergences from hidden states, chunk by chunk: no (positions, vocab) tensor whole.
 
-:mod:`distill.losses` scores two (n, vocab) logit tensors. Those exist only because the models'
+:mod:`draftsmith.heads.distill_loss` scores two (n, vocab) logit tensors. Those exist only because the models'
 LM heads made them: at a 128k vocabulary and 16k scored positions each is 8 GB in float32, and a
 training step held three (the target's logits, the draft's, which mixed precision casts to
 float32, and the gradient buffer). Here the two models give their final hidden states at the
 scored positions, (n, h) each, and :func:`projected_divergence` forms both logits ``chunk_size``
-rows at a time, scores them with the same kernels as :mod:`distill.losses` (so the values are the
+rows at a time, scores them with the same kernels as :mod:`draftsmith.heads.distill_loss` (so the values are the
 same divergences), folds the chunk's gradient into the gradients of the draft's states and LM
 head weight at once and frees it. What waits for backward is an (n, h) and a (vocab, h) buffer,
 the sizes autograd hands back anyway.
 
-The draft's head may be a :class:`distill.draft.DraftVocabHead` (``kept`` target ids): its
+The draft's head may be a :class:`draftsmith.heads.distill.DraftVocabHead` (``kept`` target ids): its
 logits are its rows placed among -inf, as that module's forward does. The target's projection runs
 in the target's own dtype (its distribution exactly), the rest in float32 (float64 stays float64).
 """
@@ -23,7 +23,13 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from distill.losses import DEFAULT_CHUNK_SIZE, DIVERGENCES, REDUCTIONS, _kernel_for, _tvd_kernel
+from draftsmith.heads.distill_loss import (
+    DEFAULT_CHUNK_SIZE,
+    DIVERGENCES,
+    REDUCTIONS,
+    _kernel_for,
+    _tvd_kernel,
+)
 
 
 @dataclass
@@ -39,7 +45,7 @@ class ProjectedDivergence:
 def _head_weight(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
     """(weight (K, h), kept target ids or None, vocabulary) of a bias-free linear LM head or a
     DraftVocabHead; None for any other head (LoRA on the head, a bias, a sharded weight)."""
-    from distill.draft import DraftVocabHead
+    from draftsmith.heads.distill import DraftVocabHead
 
     if isinstance(head, DraftVocabHead):
         return head.weight, head.kept, head.vocab_size
@@ -159,7 +165,7 @@ def projected_divergence(name: str, draft_states: torch.Tensor, draft_head: nn.M
                          temperature: float = 1.0, beta: float = 0.5,
                          chunk_size: int | None = DEFAULT_CHUNK_SIZE, reduction: str = "mean",
                          with_tvd: bool = False) -> ProjectedDivergence:
-    """The divergence ``name`` (:data:`distill.losses.DIVERGENCES`) between the draft's
+    """The divergence ``name`` (:data:`draftsmith.heads.distill_loss.DIVERGENCES`) between the draft's
     distribution ``softmax(draft_head(draft_states) / T)`` and the target's
     ``softmax(target_head(target_states) / T)`` at n rows, (n, h) and (n, h_target) states,
     without forming either (n, vocab) logits: chunk by chunk, gradients to the draft's states
@@ -171,7 +177,7 @@ def projected_divergence(name: str, draft_states: torch.Tensor, draft_head: nn.M
     found, target_found = _head_weight(draft_head), _head_weight(target_head)
     if found is None or target_found is None or target_found[1] is not None:
         raise ValueError("projected_divergence needs bias-free linear LM heads (the draft's may "
-                         "be a DraftVocabHead); score logits with distill.losses instead")
+                         "be a DraftVocabHead); score logits with draftsmith.heads.distill_loss instead")
     weight, kept, vocab = found
     if vocab != target_found[2]:
         raise ValueError(f"vocabulary mismatch: the draft's head spans {vocab} tokens, the "
@@ -227,7 +233,7 @@ def _last_state(output) -> torch.Tensor:
 @torch.no_grad()
 def teacher_states(target, batch: dict) -> torch.Tensor:
     """(n, h) the frozen target's final (normed) hidden states at the scored positions."""
-    from heads.chunked_loss import next_token_mask
+    from draftsmith.heads.chunked_loss import next_token_mask
 
     mask = next_token_mask(batch["loss_mask"]).bool()
     out = target.decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
@@ -238,7 +244,7 @@ def teacher_states(target, batch: dict) -> torch.Tensor:
 def draft_states(model: nn.Module, batch: dict) -> torch.Tensor:
     """(n, h) the draft's final hidden states at the scored positions, by calling ``model``
     itself (so DDP and gradient checkpointing see an ordinary forward) with no logits kept."""
-    from heads.chunked_loss import next_token_mask
+    from draftsmith.heads.chunked_loss import next_token_mask
 
     mask = next_token_mask(batch["loss_mask"]).bool()
     captured = []
@@ -259,7 +265,7 @@ def distill_scores(model: nn.Module, target, batch: dict, cfg, *, reduction: str
     predict loss-mask tokens, with the argmax agreement (and the TVD sum). ``projected``: from
     the final hidden states, chunk by chunk (:func:`projected_divergence`); else from the two
     models' (n, vocab) logits (a sharded target or draft, a LoRA-wrapped LM head)."""
-    from distill.losses import argmax_agreement, divergence, scored_inputs, tvd
+    from draftsmith.heads.distill_loss import argmax_agreement, divergence, scored_inputs, tvd
 
     if projected:
         return projected_divergence(

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from heads.file_formats import FileFormatError, read_json_object
-from heads.output_dir import check_destination, write_atomic, write_dir
+from draftsmith.files.file_formats import FileFormatError, read_json_object
+from draftsmith.files.output_dir import check_destination, write_atomic, write_dir
 
 EMBEDDED_TARGETS = {
     # name -> (python package holding the file, file name inside it)
@@ -43,7 +43,7 @@ EMBEDDED_TARGETS = {
 # the Hugging Face hub id each embedded target was converted from (what serving engines load)
 EMBEDDED_HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 _CONVERTED_MARK = "draftsmith_converted.json"
-# the marker kind (heads.output_dir) of a converted-target cache directory
+# the marker kind (draftsmith.files.output_dir) of a converted-target cache directory
 CONVERTED_KIND = "converted-target"
 # what weights_fingerprint reads: the first rows of the embedding, the leading elements of the
 # middle decoder layer's tensors (this many in all), the final norm
@@ -114,7 +114,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     ``save_pretrained`` refuses a GGUF-loaded model, so the state dict, config, generation config
     and tokenizer are written by hand. Weights are kept in float32: the de-quantised values are
     exact there, so a converted target gives the same logits as the GGUF one. ``out_dir`` is
-    written by :func:`heads.output_dir.write_dir` (marked as a ``converted-target``); an existing
+    written by :func:`draftsmith.files.output_dir.write_dir` (marked as a ``converted-target``); an existing
     directory is replaced only when it is an earlier conversion.
     """
     from safetensors.torch import save_file
@@ -218,7 +218,7 @@ def check_model_directory(directory: str | os.PathLike, what: str = "target") ->
     a config.json whose ``model_type`` transformers does not know and whose ``auto_map`` names
     the model's own modeling code is refused here with what to do, rather than by transformers
     (which would ask on a terminal whether to run it). A damaged config.json is a
-    :class:`heads.file_formats.FileFormatError`.
+    :class:`draftsmith.files.file_formats.FileFormatError`.
     """
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -343,20 +343,6 @@ def attention_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """bool (..., q, k) -> additive float mask: 0 where allowed, the dtype's minimum elsewhere."""
     zero = torch.zeros((), dtype=dtype, device=allowed.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)
-
-
-def tree_attention_mask(allowed: torch.Tensor, past: int, dtype: torch.dtype,
-                        device: torch.device | str | None = None) -> torch.Tensor:
-    """The 4-D additive mask for a forward over tree nodes on top of ``past`` cached positions.
-
-    allowed (q, k) bool: [i, j] True when new position i may attend to new position j (itself
-    and its tree ancestors). Every new position sees the whole cached prefix. Returns
-    (1, 1, q, past + k) in ``dtype`` (:func:`attention_bias`), the form transformers' attention
-    takes together with per-node ``position_ids``.
-    """
-    seen = torch.ones(allowed.shape[0], past + allowed.shape[1], dtype=torch.bool, device=device)
-    seen[:, past:] = allowed.to(seen.device)
-    return attention_bias(seen, dtype)[None, None]
 
 
 def weights_fingerprint(model: nn.Module,
