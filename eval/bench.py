@@ -77,7 +77,8 @@ from draftsmith.eval.tree_cost import CALIBRATION_BUDGET_S
 from draftsmith.files.command_line import program, run_command
 from draftsmith.files.output_dir import named_paths, write_atomic
 from draftsmith.layouts.gguf import DEFAULT_GGUF_TYPE
-from draftsmith.layouts.llama_cpp import GGUF_TYPES, stop_on_signals
+from draftsmith.layouts.llama_cpp import GGUF_TYPES
+from draftsmith.layouts.processes import stop_on_signals
 from draftsmith.targets.target import dtype_name, load_target, parse_dtype
 
 # ---------------------------------------------------------------------------------------------

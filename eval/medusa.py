@@ -39,7 +39,8 @@ from draftsmith.eval.runners import (
 )
 from draftsmith.eval.sampling import SamplingParams, warp
 from draftsmith.eval.tree import DraftTree
-from draftsmith.eval.tree_auto import auto_medusa_tree, size_medusa_tree
+from draftsmith.eval.tree_auto import auto_medusa_tree
+from draftsmith.eval.tree_choice import size_medusa_tree
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.heads.medusa_tree import check_tree, check_tree_nodes, prune_tree
 from draftsmith.layouts.medusa import load_medusa_heads
@@ -158,7 +159,7 @@ class MedusaProposer(Proposer):
                     f"the Medusa artifact {path} stores no held-out rank accuracies, so its tree "
                     "cannot be rebuilt for another size: drop tree_nodes (--tree-nodes), or save "
                     "the artifact with tree_info={'rank_accuracies': ...} "
-                    "(draftsmith.eval.tree_auto.size_medusa_tree gives both)")
+                    "(draftsmith.eval.tree_choice.size_medusa_tree gives both)")
             else:
                 tree = prune_tree(tree, heads.num_heads, max_depth, max_topk)
         if typical:

@@ -35,13 +35,8 @@ from torch import nn
 from draftsmith.files.file_formats import read_json_object
 from draftsmith.files.output_dir import write_dir
 from draftsmith.heads.artifact import DRAFT_INFO_KEY, FORMAT_VERSION, check_finite
-from draftsmith.targets.target import (
-    Target,
-    check_model_directory,
-    freeze,
-    is_hub_id,
-    resolve_target,
-)
+from draftsmith.targets.resolve import check_model_directory, is_hub_id, resolve_target
+from draftsmith.targets.target import Target, freeze
 
 TRUNCATE_PREFIX = "truncate:"
 

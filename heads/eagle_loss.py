@@ -38,13 +38,13 @@ from draftsmith.heads.chunked_loss import (
     projected_argmax,
     projected_cross_entropy,
 )
-from draftsmith.heads.eagle import (
+from draftsmith.heads.eagle import EagleHead
+from draftsmith.heads.eagle_config import (
     DEFAULT_CE_WEIGHT,
     DEFAULT_NOISE,
     DEFAULT_STEP_DECAY,
     DEFAULT_TTT_STEPS,
     REDUCTIONS,
-    EagleHead,
 )
 from draftsmith.heads.ttt_attention import documents_of, resolve_backend
 

@@ -160,11 +160,11 @@ def choose_tree(rank_accuracies, num_heads: int, tree_nodes: int, *,
     with a note in tree_info. ``max_depth`` / ``max_topk`` cap the tree's depth and ranks.
     ``tree_info`` records how the tree was chosen (``rank_accuracies``, ``tree_nodes``,
     ``expected_tau``); saved with the artifact, it lets the evaluator rebuild the tree for
-    another size. A size by measured cost ("auto") is :func:`draftsmith.eval.tree_auto.size_medusa_tree`.
+    another size. A size by measured cost ("auto") is :func:`draftsmith.eval.tree_choice.size_medusa_tree`.
     """
     if tree_nodes == AUTO:
         raise ValueError("tree_nodes 'auto' is sized by this machine's measured costs: "
-                         "draftsmith.eval.tree_auto.size_medusa_tree, or give a node count")
+                         "draftsmith.eval.tree_choice.size_medusa_tree, or give a node count")
     check_tree_nodes(tree_nodes, allow_auto=False)
     for name, value in (("max_depth", max_depth), ("max_topk", max_topk)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)

@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.files.command_line import program
 from draftsmith.files.output_dir import remove_dir, stage_dir
-from draftsmith.targets.target import cache_root
+from draftsmith.targets.resolve import cache_root
 
 SPECULATORS_VERSION = "0.9.0"
 TORCH_VERSION = "2.13.0"

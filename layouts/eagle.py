@@ -61,7 +61,8 @@ import torch
 from draftsmith.files.output_dir import check_destination
 from draftsmith.heads.artifact import load_artifact, read_artifact_config
 from draftsmith.heads.draft_vocab import check_vocab_maps
-from draftsmith.heads.eagle import EagleConfig, EagleHead, default_aux_layer_ids, load_eagle
+from draftsmith.heads.eagle import EagleHead, load_eagle
+from draftsmith.heads.eagle_config import EagleConfig, default_aux_layer_ids
 from draftsmith.layouts.consumer_check import run_speculators_check, speculators_python
 from draftsmith.layouts.files import (
     ExportOptions,

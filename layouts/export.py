@@ -24,7 +24,8 @@ from draftsmith.files.output_dir import named_paths, refuse_inputs
 from draftsmith.heads.methods import artifact_method
 from draftsmith.layouts.files import ExportOptions, check_format
 from draftsmith.layouts.gguf import DEFAULT_GGUF_TYPE
-from draftsmith.layouts.llama_cpp import GGUF_TYPES, stop_on_signals
+from draftsmith.layouts.llama_cpp import GGUF_TYPES
+from draftsmith.layouts.processes import stop_on_signals
 from draftsmith.layouts.table import all_formats, layouts_of, refused_formats
 from draftsmith.layouts.verdicts import say
 from draftsmith.targets.target import Target

@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 
 from draftsmith.files.file_formats import load_safetensors, read_json_object
 from draftsmith.files.output_dir import write_dir
-from draftsmith.targets.target import Target, is_hub_id, load_target, resolve_target, target_hub_id
+from draftsmith.targets.resolve import is_hub_id, resolve_target, target_hub_id
+from draftsmith.targets.target import Target, load_target
 
 _PICKLES = ("pytorch_model.bin", "model.pt", "pytorch_model.pt")
 

@@ -53,22 +53,20 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
 import tempfile
-import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 from draftsmith.files.output_dir import _alive as process_alive
 from draftsmith.files.output_dir import (
     _host as host_name,  # a leftover names the host that wrote it
 )
-from draftsmith.targets.target import cache_root
+from draftsmith.layouts.processes import end_process, free_port, signals_held, stop_on_signals
+from draftsmith.targets.resolve import cache_root
 
 COMMIT = "0c1e570"  # llama.cpp, 2026-10-01: draft-eagle3, draft-dflash, draft-dspark, n-gram types
 SDIST = ("llama-cpp-python", "0.3.36")
@@ -87,86 +85,10 @@ NEVER = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")  # SIGILL under hype
 BUILD_COMMAND = "make llama-cpp"  # what a user runs to build it (python -m draftsmith.layouts.llama_cpp build)
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")  # the converter's --outtype values a head may take
 WRITER_KEY, WRITER = "draftsmith.written_by", "draftsmith"  # the GGUF metadata of our conversions
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 # ------------------------------------------------------------------------------------------------
-# signals: a command that runs processes stops them however it ends
-
-
-class Stopped(SystemExit):
-    """The command was stopped by a signal: raised where it ran, so that every cleanup runs;
-    its exit status is 128 + the signal's number (143 for SIGTERM, 130 for Ctrl-C)."""
-
-    def __init__(self, signum: int):
-        super().__init__(128 + signum)
-        self.signum = signum
-
-
-_signals = {"installed": 0, "held": 0, "pending": None, "raised": False}
-
-
-def _on_signal(signum, frame) -> None:
-    if _signals["pending"] is not None:  # already stopping: the cleanup under way finishes
-        return
-    _signals["pending"] = signum
-    if not _signals["held"]:
-        _signals["raised"] = True
-        raise Stopped(signum)
-
-
-@contextlib.contextmanager
-def signals_held() -> Iterator[None]:
-    """A section a stop must not cut in two (a process started and recorded, a process stopped
-    and reaped): a signal arriving inside it is acted on at its end."""
-    _signals["held"] += 1
-    try:
-        yield
-    finally:
-        _signals["held"] -= 1
-        if not _signals["held"] and _signals["pending"] is not None and not _signals["raised"]:
-            _signals["raised"] = True  # the stop wins over whatever else ended the section
-            raise Stopped(_signals["pending"])
-
-
-@contextlib.contextmanager
-def stop_on_signals(prog: str) -> Iterator[None]:
-    """SIGTERM, SIGINT and SIGHUP raise :class:`Stopped` in the main thread while the block runs
-    (a repeated signal does not cut the cleanup short); the stop is said in one line on stderr.
-    The previous handlers are put back after it. Elsewhere than the main thread: nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, _on_signal) for sig in STOP_SIGNALS}
-    _signals["installed"] += 1
-    try:
-        yield
-    except Stopped as stop:
-        print(f"{prog}: stopped by {signal.Signals(stop.signum).name}: the processes it started "
-              "were stopped and its temporary files removed", file=sys.stderr, flush=True)
-        raise
-    finally:
-        _signals["installed"] -= 1
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if not _signals["installed"]:
-            _signals.update(pending=None, raised=False)
-
-
-def end_process(process: subprocess.Popen, *, group: bool = False, grace: float = 15.0) -> None:
-    """SIGTERM (to its process group when ``group``), SIGKILL after ``grace`` seconds; reaped."""
-    with signals_held():
-        if process.poll() is not None:
-            return
-        send = (lambda sig: os.killpg(process.pid, sig)) if group else process.send_signal
-        with contextlib.suppress(ProcessLookupError):
-            send(signal.SIGTERM)
-        try:
-            process.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                send(signal.SIGKILL)
-            process.wait()
+# finding a llama-server (signals and child processes: draftsmith.layouts.processes)
 
 
 def install_dir() -> Path:
@@ -330,7 +252,7 @@ def smoke_test(server: str | os.PathLike, *, tokens: int = 4, timeout: float = 1
     """Load the embedded target's GGUF in ``server`` and decode ``tokens`` tokens greedily;
     -> ``{"seconds", "tokens"}``. A server that cannot is a ValueError saying how it failed
     (the signal's name: SIGILL is the AMX trap the portable build avoids) and what to try."""
-    from draftsmith.targets.target import embedded_gguf_path
+    from draftsmith.targets.resolve import embedded_gguf_path
 
     model = embedded_gguf_path("smollm2-135m")
     started = time.monotonic()
@@ -517,13 +439,6 @@ def remove_stale_conversions(out_file: str | os.PathLike) -> list[Path]:
 # running it
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 _ROUND = re.compile(r"accepted\s+(\d+)/\s*(\d+) draft tokens")
 
 
@@ -680,7 +595,7 @@ def gguf_for_target(spec: str | os.PathLike, outtype: str | None = None) -> tupl
     An embedded name's own GGUF file and a ``.gguf`` are used as they are; a Hugging Face
     directory (or, with ``outtype``, any target's cached directory) is converted once by
     llama.cpp's converter into ``<cache>/gguf/`` (f32 unless ``outtype`` says otherwise)."""
-    from draftsmith.targets.target import EMBEDDED_TARGETS, embedded_gguf_path, resolve_target
+    from draftsmith.targets.resolve import EMBEDDED_TARGETS, embedded_gguf_path, resolve_target
 
     text = str(spec)
     if outtype is None and text in EMBEDDED_TARGETS:

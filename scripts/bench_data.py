@@ -74,7 +74,8 @@ def emit(record: dict, report: str | None) -> None:
 def regen(args) -> None:
     from transformers import AutoTokenizer
 
-    from draftsmith.targets.target import load_target, resolve_target
+    from draftsmith.targets.resolve import resolve_target
+    from draftsmith.targets.target import load_target
     from draftsmith.train.regenerate import regenerate
     from draftsmith.train.regenerate_backends import HFBackend, OpenAIBackend
 
@@ -105,7 +106,7 @@ def regen(args) -> None:
 def write(args) -> None:
     import torch.distributed as dist
 
-    from draftsmith.heads.eagle import EagleConfig
+    from draftsmith.heads.eagle_config import EagleConfig
     from draftsmith.targets.target import load_target
     from draftsmith.train.features import write_feature_cache
     from draftsmith.train.rows import load_sft_dataset
@@ -155,7 +156,7 @@ def read(args) -> None:
 
     from torch.utils.data import DataLoader
 
-    from draftsmith.heads.eagle import EagleConfig
+    from draftsmith.heads.eagle_config import EagleConfig
     from draftsmith.targets.target import load_target_parts
     from draftsmith.train.features import FeatureCache, collate_features
 

@@ -37,7 +37,7 @@ import json
 import random
 
 from draftsmith.targets.target import load_target
-from draftsmith.train.data import load_prompts
+from draftsmith.train.regenerate import load_prompts
 
 target = load_target("smollm2-135m")
 files = {"data/train/sharegpt_first_turns.json": 700,

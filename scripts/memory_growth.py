@@ -124,7 +124,8 @@ def child(spec: dict) -> dict:
     mask = torch.ones_like(ids)
     loss_mask = torch.ones_like(ids)
     if kind in ("eagle3", "eagle1"):
-        from draftsmith.heads.eagle import EagleConfig, EagleHead, build_draft_vocab
+        from draftsmith.heads.eagle import EagleHead, build_draft_vocab
+        from draftsmith.heads.eagle_config import EagleConfig
         from draftsmith.heads.eagle_loss import EagleLoss
 
         target = wrap_target(_model(spec["width"], layers=4), name=spec["width"])

@@ -56,8 +56,9 @@ from safetensors.torch import save_file
 
 from draftsmith.files.command_line import run_command
 from draftsmith.files.output_dir import write_atomic
-from draftsmith.heads.eagle import default_aux_layer_ids
-from draftsmith.targets.target import load_target, resolve_target
+from draftsmith.heads.eagle_config import default_aux_layer_ids
+from draftsmith.targets.resolve import resolve_target
+from draftsmith.targets.target import load_target
 from draftsmith.train.speed import logged_step_seconds, steps_for_budget
 
 # What speculators' trainer needs on a CPU, whatever the variant: its fused losses are Triton

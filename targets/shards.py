@@ -39,14 +39,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from draftsmith.targets.resolve import EMBEDDED_TARGETS, resolve_target
 from draftsmith.targets.target import (
-    EMBEDDED_TARGETS,
     Target,
     _read_checkpoint_tensors,
     cached_weights_digest,
     default_device_dtype,
     freeze,
-    resolve_target,
     weights_digest,
     weights_fingerprint,
     wrap_target,
@@ -83,7 +82,7 @@ def load_sharded_target(
 ) -> Target:
     """The frozen target with its decoder layers sharded over ``mesh`` (a 1-D mesh, or a 2-D
     ``(replicate, shard)`` one), everything else whole (see the module docstring). Safetensors
-    model directories (and what :func:`draftsmith.targets.target.resolve_target` turns into one)."""
+    model directories (and what :func:`draftsmith.targets.resolve.resolve_target` turns into one)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, distribute_tensor
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig

@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 from test_export import VOCAB, make_target
 
 from draftsmith.files.output_dir import MARKER
-from draftsmith.heads.eagle import EagleConfig, EagleHead, build_draft_vocab, save_eagle
+from draftsmith.heads.eagle import EagleHead, build_draft_vocab, save_eagle
+from draftsmith.heads.eagle_config import EagleConfig
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads, save_medusa
 from draftsmith.layouts.export import export
 from draftsmith.layouts.medusa import trtllm_convert_command

@@ -17,7 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith.heads.eagle import EagleConfig, EagleHead, build_draft_vocab, save_eagle
+from draftsmith.heads.eagle import EagleHead, build_draft_vocab, save_eagle
+from draftsmith.heads.eagle_config import EagleConfig
 from draftsmith.layouts.consumer_check import install_speculators, run_speculators_check
 from draftsmith.layouts.eagle import load_eagle_head
 from draftsmith.layouts.export import export

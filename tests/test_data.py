@@ -15,7 +15,7 @@ import torch
 from transformers import AutoTokenizer
 
 from draftsmith.files.file_formats import FileFormatError
-from draftsmith.targets.target import resolve_target
+from draftsmith.targets.resolve import resolve_target
 from draftsmith.train import regenerate as regeneration
 from draftsmith.train import rows as data
 from draftsmith.train.regenerate import load_prompts, user_turns

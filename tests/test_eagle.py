@@ -23,7 +23,6 @@ from draftsmith.eval.engine import SpeculativeEngine
 from draftsmith.eval.kv import crop
 from draftsmith.eval.sampling import SamplingParams
 from draftsmith.heads.eagle import (
-    EagleConfig,
     EagleHead,
     build_draft_vocab,
     check_vocab_maps,
@@ -31,6 +30,7 @@ from draftsmith.heads.eagle import (
     load_eagle,
     save_eagle,
 )
+from draftsmith.heads.eagle_config import EagleConfig
 from draftsmith.heads.eagle_loss import EagleLoss, eagle_loss
 from draftsmith.targets.features import target_features
 from draftsmith.targets.target import wrap_target

@@ -24,7 +24,8 @@ from transformers import (
 )
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from draftsmith.heads.eagle import EagleConfig, EagleHead, build_draft_vocab, load_eagle, save_eagle
+from draftsmith.heads.eagle import EagleHead, build_draft_vocab, load_eagle, save_eagle
+from draftsmith.heads.eagle_config import EagleConfig
 from draftsmith.heads.eagle_loss import EagleLoss
 from draftsmith.layouts.eagle import load_eagle_head
 from draftsmith.layouts.export import export

@@ -28,10 +28,12 @@ from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import draftsmith.train.features as features_module
-from draftsmith.heads.eagle import EagleConfig, EagleHead, build_draft_vocab, count_tokens
+from draftsmith.heads.eagle import EagleHead, build_draft_vocab, count_tokens
+from draftsmith.heads.eagle_config import EagleConfig
 from draftsmith.heads.eagle_loss import eagle_loss
 from draftsmith.targets.features import target_features as online_features
-from draftsmith.targets.target import load_target, load_target_parts, resolve_target
+from draftsmith.targets.resolve import resolve_target
+from draftsmith.targets.target import load_target, load_target_parts
 from draftsmith.train.features import (
     FeatureCache,
     collate_features,

@@ -53,7 +53,8 @@ import json, sys
 import torch
 sys.path.insert(0, {repo!r})
 from transformers import LlamaConfig, LlamaForCausalLM
-from draftsmith.heads.eagle import EagleConfig, EagleHead
+from draftsmith.heads.eagle import EagleHead
+from draftsmith.heads.eagle_config import EagleConfig
 from draftsmith.heads.eagle_loss import eagle_loss
 from draftsmith.targets.features import target_features
 from draftsmith.targets.target import wrap_target

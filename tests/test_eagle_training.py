@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftsmith.heads.eagle import EagleConfig, EagleHead, attention_bias, build_draft_vocab
+from draftsmith.heads.eagle import EagleHead, attention_bias, build_draft_vocab
+from draftsmith.heads.eagle_config import EagleConfig
 from draftsmith.heads.eagle_loss import EagleLoss, eagle_loss
 from draftsmith.targets.features import target_features
 from draftsmith.targets.target import wrap_target

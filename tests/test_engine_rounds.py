@@ -23,7 +23,8 @@ from draftsmith.eval.medusa import MedusaProposer
 from draftsmith.eval.proposers import NgramProposer, Proposer
 from draftsmith.eval.sampling import SamplingParams
 from draftsmith.heads.dflash import DFlashConfig, DFlashDraft
-from draftsmith.heads.eagle import EagleConfig, EagleHead, build_draft_vocab
+from draftsmith.heads.eagle import EagleHead, build_draft_vocab
+from draftsmith.heads.eagle_config import EagleConfig
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.targets.target import wrap_target
 

@@ -18,13 +18,8 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.files.output_dir import MARKER
-from draftsmith.heads.eagle import (
-    EagleConfig,
-    EagleHead,
-    attention_bias,
-    build_draft_vocab,
-    save_eagle,
-)
+from draftsmith.heads.eagle import EagleHead, attention_bias, build_draft_vocab, save_eagle
+from draftsmith.heads.eagle_config import EagleConfig
 from draftsmith.heads.medusa import MedusaHeads, save_medusa
 from draftsmith.layouts.eagle import load_eagle_head
 from draftsmith.layouts.export import export, main

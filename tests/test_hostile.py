@@ -266,7 +266,8 @@ def test_10_no_artifact_or_checkpoint_from_diverged_weights(toy, tmp_path, monke
 
 
 def test_11_an_artifact_config_of_the_wrong_type_exports_nothing(tmp_path, capsys):
-    from draftsmith.heads.eagle import EagleConfig, EagleHead, save_eagle
+    from draftsmith.heads.eagle import EagleHead, save_eagle
+    from draftsmith.heads.eagle_config import EagleConfig
     from draftsmith.layouts.export import main as export_main
 
     target = wrap_target(llama(), name="t")

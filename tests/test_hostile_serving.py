@@ -29,14 +29,12 @@ from draftsmith.layouts.llama_cpp import (
     WRITER,
     WRITER_KEY,
     LlamaServer,
-    Stopped,
     converter,
     find_llama_server,
     host_name,
     remove_stale_conversions,
-    signals_held,
-    stop_on_signals,
 )
+from draftsmith.layouts.processes import Stopped, signals_held, stop_on_signals
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -276,7 +274,7 @@ def draft_dir(tmp_path_factory, the_converter):
     from test_llama_cpp import tiny_llama_dir
     from transformers import AutoTokenizer
 
-    from draftsmith.targets.target import resolve_target
+    from draftsmith.targets.resolve import resolve_target
 
     root = tmp_path_factory.mktemp("draft")
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_target("smollm2-135m")))
@@ -377,7 +375,7 @@ def test_a_signal_to_the_llama_benchmark_stops_every_server(llama_server, tmp_pa
 
 def test_ctrl_c_while_a_server_loads_leaves_no_server(llama_server, tmp_path, monkeypatch):
     from draftsmith.eval.llama_bench import ServeContext, serve_methods
-    from draftsmith.targets.target import embedded_gguf_path
+    from draftsmith.targets.resolve import embedded_gguf_path
 
     started = []
     real_start = LlamaServer.start

@@ -22,13 +22,8 @@ from draftsmith.eval.llama_bench import chain_rounds
 from draftsmith.eval.sampling import SamplingParams
 from draftsmith.heads.dflash import DFlashConfig, DFlashDraft, save_dflash
 from draftsmith.heads.dflash_loss import dflash_loss, sample_anchors
-from draftsmith.heads.eagle import (
-    EagleConfig,
-    EagleHead,
-    build_draft_vocab,
-    count_tokens,
-    save_eagle,
-)
+from draftsmith.heads.eagle import EagleHead, build_draft_vocab, count_tokens, save_eagle
+from draftsmith.heads.eagle_config import EagleConfig
 from draftsmith.heads.eagle_loss import eagle_loss
 from draftsmith.layouts.export import main as export_main
 from draftsmith.layouts.llama_cpp import (
@@ -43,7 +38,8 @@ from draftsmith.layouts.llama_cpp import (
     smoke_test,
 )
 from draftsmith.targets.features import target_features
-from draftsmith.targets.target import load_target, resolve_target
+from draftsmith.targets.resolve import resolve_target
+from draftsmith.targets.target import load_target
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = ["Name three red fruits.", "What is the capital of France?", "Count from one to ten."]

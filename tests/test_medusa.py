@@ -23,7 +23,7 @@ from draftsmith.eval.medusa import (
 )
 from draftsmith.eval.sampling import SamplingParams, warp
 from draftsmith.eval.tree import DraftTree
-from draftsmith.eval.tree_auto import choose_tree_nodes, plan_medusa_tree, size_medusa_tree
+from draftsmith.eval.tree_choice import choose_tree_nodes, plan_medusa_tree, size_medusa_tree
 from draftsmith.eval.tree_cost import measure_head_cost, measure_verify_cost
 from draftsmith.heads.draft_vocab import build_draft_vocab, count_tokens
 from draftsmith.heads.medusa import (

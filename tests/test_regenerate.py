@@ -20,7 +20,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from draftsmith.targets.target import load_target, resolve_target, wrap_target
+from draftsmith.targets.resolve import resolve_target
+from draftsmith.targets.target import load_target, wrap_target
 from draftsmith.train import regenerate as regeneration
 from draftsmith.train.regenerate import (
     load_prompts,

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from draftsmith.targets.target import resolve_target
+from draftsmith.targets.resolve import resolve_target
 from draftsmith.train import regenerate as regeneration
 from draftsmith.train.regenerate import merge_shards, regenerate, shard_path
 from draftsmith.train.regenerate_backends import OpenAIBackend

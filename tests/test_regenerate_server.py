@@ -24,7 +24,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from draftsmith.targets.target import load_target, resolve_target
+from draftsmith.targets.resolve import resolve_target
+from draftsmith.targets.target import load_target
 from draftsmith.train import regenerate as regeneration
 from draftsmith.train.regenerate import regenerate
 from draftsmith.train.regenerate_backends import (

@@ -21,17 +21,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from draftsmith.files.file_formats import FileFormatError
 from draftsmith.files.output_dir import read_marker
 from draftsmith.heads.distill import load_draft
-from draftsmith.heads.eagle import EagleConfig, EagleHead, load_eagle, save_eagle
+from draftsmith.heads.eagle import EagleHead, load_eagle, save_eagle
+from draftsmith.heads.eagle_config import EagleConfig
 from draftsmith.heads.medusa import MedusaHeads, load_medusa, save_medusa
-from draftsmith.targets.target import (
-    convert_gguf,
-    gguf_problem,
-    load_target,
-    resolve_target,
-    target_hub_id,
-    weights_fingerprint,
-    wrap_target,
-)
+from draftsmith.targets.resolve import convert_gguf, gguf_problem, resolve_target, target_hub_id
+from draftsmith.targets.target import load_target, weights_fingerprint, wrap_target
 
 VOCAB = 40
 
@@ -145,7 +139,7 @@ def test_artifacts_are_refused_by_a_target_with_other_weights(tmp_path):
 
 @pytest.fixture(scope="module")
 def gguf_file():
-    from draftsmith.targets.target import embedded_gguf_path
+    from draftsmith.targets.resolve import embedded_gguf_path
 
     try:
         return embedded_gguf_path("smollm2-135m")

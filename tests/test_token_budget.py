@@ -17,7 +17,8 @@ import torch
 from conftest import tiny_llama
 
 from draftsmith.heads.chunked_loss import next_token_mask
-from draftsmith.heads.eagle import EagleConfig, EagleHead, build_draft_vocab
+from draftsmith.heads.eagle import EagleHead, build_draft_vocab
+from draftsmith.heads.eagle_config import EagleConfig
 from draftsmith.heads.eagle_loss import EagleLoss
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.heads.medusa_loss import MedusaObjective, target_hidden

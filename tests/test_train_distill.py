@@ -38,13 +38,12 @@ from draftsmith.train.config import config_from_dict, parse_config
 from draftsmith.train.distill import (
     DistillConfig,
     build_draft,
-    collate_distill,
     distill_loss,
     draft_sampled_batch,
     is_on_policy,
-    load_distill_rows,
     main,
 )
+from draftsmith.train.distill_rows import collate_distill, load_distill_rows
 from draftsmith.train.signals import GracefulStop
 
 pytestmark = pytest.mark.usefixtures("trainer_env")

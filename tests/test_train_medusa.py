@@ -36,7 +36,8 @@ from draftsmith.heads.medusa import MedusaHeads, load_medusa
 from draftsmith.heads.medusa_loss import MedusaObjective, head_rows, target_hidden
 from draftsmith.layouts.export import export
 from draftsmith.layouts.medusa import export_medusa
-from draftsmith.targets.target import load_target, resolve_target, wrap_target
+from draftsmith.targets.resolve import resolve_target
+from draftsmith.targets.target import load_target, wrap_target
 from draftsmith.train.config import config_from_dict, config_to_dict, parse_config
 from draftsmith.train.medusa import MedusaTrainConfig, build_objective, loss_options, main
 from draftsmith.train.signals import GracefulStop

@@ -248,7 +248,8 @@ def test_bench_chooses_trees_by_default_and_reports_expected_beside_measured(tmp
     import test_bench
 
     import draftsmith.eval.bench as bench
-    from draftsmith.heads.eagle import EagleConfig, EagleHead
+    from draftsmith.heads.eagle import EagleHead
+    from draftsmith.heads.eagle_config import EagleConfig
     from draftsmith.heads.medusa import MedusaHeads, save_medusa
     from draftsmith.targets.target import load_target
 

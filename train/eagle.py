@@ -66,12 +66,12 @@ import torch
 from draftsmith.eval.eagle import DEFAULT_DEPTH, DEFAULT_TOPK, DEFAULT_TREE_NODES, EagleProposer
 from draftsmith.files.command_line import run_command
 from draftsmith.heads import draft_vocab
-from draftsmith.heads.eagle import (
+from draftsmith.heads.eagle import EagleHead
+from draftsmith.heads.eagle_config import (
     DEFAULT_CE_WEIGHT,
     DEFAULT_STEP_DECAY,
     DEFAULT_TTT_STEPS,
     EagleConfig,
-    EagleHead,
 )
 from draftsmith.heads.eagle_loss import EagleLoss
 from draftsmith.heads.ttt_attention import resolve_backend

@@ -178,7 +178,7 @@ def model_shape(spec: str) -> Shape:
     downloaded model's, else (for a hub id not downloaded yet) the copy shipped in
     data/target_configs/ when there is one."""
     from draftsmith.files.file_formats import read_json_object
-    from draftsmith.targets.target import check_model_directory, is_hub_id, resolve_target
+    from draftsmith.targets.resolve import check_model_directory, is_hub_id, resolve_target
 
     try:
         return Shape.from_config(check_model_directory(resolve_target(spec)))

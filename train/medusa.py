@@ -55,7 +55,7 @@ speculative engine with that tree.
 
 At the end the heads' per-rank accuracies on the held-out rows give the static token tree
 (``tree_nodes: auto``: the node count that maximises expected tau per measured verification
-cost on this machine, see ``draftsmith.eval.tree_auto.size_medusa_tree``; or a fixed node count), saved in
+cost on this machine, see ``draftsmith.eval.tree_choice.size_medusa_tree``; or a fixed node count), saved in
 ``<output_dir>/artifact`` with the heads; ``final/expected_tau`` and (with ``eval_every`` > 0)
 ``final/tau`` measured with that tree are logged. ``python -m draftsmith.eval.bench --method
 medusa:<artifact>`` measures it; ``draftsmith export`` writes the vLLM / TensorRT-LLM layouts.
@@ -80,7 +80,7 @@ from accelerate.utils import broadcast_object_list
 from torch import nn
 
 from draftsmith.eval.medusa import MedusaProposer
-from draftsmith.eval.tree_auto import size_medusa_tree
+from draftsmith.eval.tree_choice import size_medusa_tree
 from draftsmith.files.command_line import run_command, shell_command
 from draftsmith.files.output_dir import write_dir
 from draftsmith.heads.artifact import FORMAT_VERSION, check_finite

@@ -601,7 +601,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     else:
         from transformers import AutoTokenizer
 
-        from draftsmith.targets.target import resolve_target
+        from draftsmith.targets.resolve import resolve_target
 
         tokenizer = AutoTokenizer.from_pretrained(str(resolve_target(args.target)),
                                                   trust_remote_code=False)
@@ -615,7 +615,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 def _openai_backend(args, parser) -> OpenAIBackend:
     from transformers import AutoConfig, AutoTokenizer
 
-    from draftsmith.targets.target import resolve_target
+    from draftsmith.targets.resolve import resolve_target
 
     if not args.url or not args.model:
         parser.error("--backend openai needs --url (e.g. http://127.0.0.1:8000/v1) and --model")

@@ -65,7 +65,7 @@ from jinja2.exceptions import TemplateError
 
 from draftsmith.files.file_formats import FileFormatError
 from draftsmith.files.output_dir import write_dir
-from draftsmith.targets.target import cache_root
+from draftsmith.targets.resolve import cache_root
 
 ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
          "assistant": "assistant"}

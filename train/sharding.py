@@ -320,8 +320,8 @@ def check_target_shards(cfg, plan: ShardingPlan) -> None:
     into (:func:`draftsmith.targets.shards.check_shards`)."""
     if not plan.shards_target:
         return
+    from draftsmith.targets.resolve import check_model_directory, resolve_target
     from draftsmith.targets.shards import check_shards
-    from draftsmith.targets.target import check_model_directory, resolve_target
 
     try:
         config = check_model_directory(resolve_target(cfg.target))
