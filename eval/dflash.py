@@ -198,6 +198,11 @@ BLOCK_FIXED_OPTIONS = {**ARTIFACT_FIXED_OPTIONS, "dtype": "--draft-dtype",
                        "method": "dflash:<artifact> or dspark:<artifact>"}
 
 
+def chain_options(n: int) -> dict:
+    """A block draft proposing ``n`` tokens a round: llama.cpp's block draft with that n_max."""
+    return {"block_size": n}
+
+
 def build_block(method: str):
     def build(arg: str, name: str, ctx: BuildContext) -> EngineMethod:
         options = ctx.kind_options("dflash")

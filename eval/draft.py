@@ -273,6 +273,11 @@ DRAFT_FLAGS = (
 DRAFT_FIXED_OPTIONS = {"name": "the method's name on the command line", "compile": "--compile"}
 
 
+def chain_options(n: int) -> dict:
+    """The draft LM proposing ``n`` tokens with no confidence stop: llama.cpp's draft-simple."""
+    return {"max_depth": n, "min_confidence": 0.0}
+
+
 PROPOSAL_KEY = "proposal"
 CHAIN_OPTIONS = ("max_depth", "min_confidence")  # set alone on the command line: a chain
 

@@ -297,6 +297,11 @@ EAGLE_FLAGS = (
 EAGLE_FIXED_OPTIONS = {**ARTIFACT_FIXED_OPTIONS, "dtype": "--draft-dtype"}
 
 
+def chain_options(n: int) -> dict:
+    """The head drafting a chain of ``n`` tokens (top-k 1): what llama.cpp's draft-eagle3 does."""
+    return {"depth": n, "topk": 1, "tree_nodes": n}
+
+
 def build_eagle(arg: str, name: str, ctx: BuildContext) -> EngineMethod:
     """``eagle:<artifact>``: EAGLE-2 trees, sized by --tree auto (the options cap the search)."""
     options = ctx.kind_options("eagle")

@@ -241,15 +241,15 @@ def cross_check(records: list[dict], target: Target, prompts: list[list[int]], *
     """Each head's acceptance per depth in draftsmith's engine beside llama.cpp's (in place).
 
     The same prompts, greedy, each head drafting a chain of ``chains[method]`` tokens (its
-    server's ``--spec-draft-n-max``): EAGLE heads with topk 1, draft models with no confidence
-    stop, block drafts with that many tokens per round.
+    server's ``--spec-draft-n-max``), with the options its row in ``BENCH_METHODS`` gives for a
+    chain (``chain``: EAGLE heads with topk 1, draft models with no confidence stop, block drafts
+    with that many tokens per round).
     """
-    heads = [r for r in records if method_for(r["method"]).column in ("eagle", "draft", "dflash")]
+    heads = [r for r in records if method_for(r["method"]).chain is not None]
     for record in heads:
         chain = chains[record["method"]]
-        options = {"eagle": {"depth": chain, "topk": 1, "tree_nodes": chain},
-                   "draft": {"max_depth": chain, "min_confidence": 0.0},
-                   "dflash": {"block_size": chain}}
+        row = method_for(record["method"])
+        options = {row.kind: row.chain(chain)}
         ours = build_methods([record["method"]], target, options=options, tree="fixed")
         method_runs, = run_benchmark(ours, prompts, max_new_tokens=max_new_tokens,
                                      params=SamplingParams(temperature=0.0), warmup=0,

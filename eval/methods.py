@@ -47,6 +47,8 @@ class BenchMethod:
     trees: bool = False  # --tree auto sizes its trees
     top1_metric: str | None = None  # regex of the top-1 its trainer logs (group 1: step/head)
     serve: Callable[[str, str, object], list[str]] | None = None  # its llama-server arguments
+    # its options drafting a chain of n tokens, as llama.cpp drafts (the cross-check's settings)
+    chain: Callable[[int], dict] | None = None
 
     @property
     def prefix(self) -> str | None:
@@ -68,11 +70,12 @@ BENCH_METHODS: dict[str, BenchMethod] = {
     "draft": BenchMethod("draft:<dir|truncate:N>", draft.build_draft, kind="draft",
                          flags=draft.DRAFT_FLAGS, owner=draft.DraftModelProposer,
                          fixed_options=draft.DRAFT_FIXED_OPTIONS, column="draft",
-                         serve=draft.serve_draft),
+                         serve=draft.serve_draft, chain=draft.chain_options),
     "eagle": BenchMethod("eagle:<artifact>", eagle.build_eagle, kind="eagle",
                          flags=eagle.EAGLE_FLAGS, owner=eagle.EagleProposer.from_artifact,
                          fixed_options=eagle.EAGLE_FIXED_OPTIONS, column="eagle", trees=True,
-                         top1_metric=r"^acc_(\d+)$", serve=eagle.serve_eagle),
+                         top1_metric=r"^acc_(\d+)$", serve=eagle.serve_eagle,
+                         chain=eagle.chain_options),
     "medusa": BenchMethod("medusa:<artifact>", medusa.build_medusa, kind="medusa",
                           flags=medusa.MEDUSA_FLAGS, owner=medusa.MedusaProposer.from_artifact,
                           fixed_options=medusa.MEDUSA_FIXED_OPTIONS, column="medusa",
@@ -80,9 +83,11 @@ BENCH_METHODS: dict[str, BenchMethod] = {
     "dflash": BenchMethod("dflash:<artifact>", dflash.build_block("dflash"), kind="dflash",
                           flags=dflash.BLOCK_FLAGS, owner=dflash.BlockProposer.from_artifact,
                           fixed_options=dflash.BLOCK_FIXED_OPTIONS, column="dflash", trees=True,
-                          top1_metric=r"^acc_(\d+)$", serve=dflash.serve_block("dflash")),
+                          top1_metric=r"^acc_(\d+)$", serve=dflash.serve_block("dflash"),
+                          chain=dflash.chain_options),
     "dspark": BenchMethod("dspark:<artifact>", dflash.build_block("dspark"), kind="dflash",
-                          column="dflash", trees=True, serve=dflash.serve_block("dspark")),
+                          column="dflash", trees=True, serve=dflash.serve_block("dspark"),
+                          chain=dflash.chain_options),
 }
 
 

@@ -846,6 +846,27 @@ def test_sharded_launches_that_cannot_work_are_refused_with_what_to_use(monkeypa
     assert not (ACCELERATE_CONFIGS / "deepspeed_zero2.yaml").exists()
 
 
+def test_the_sharding_plan_is_computed_once_and_carried(monkeypatch):
+    """start_run computes the plan; every later reader of the run gets that same object, and a
+    launch environment changed afterwards does not change the run's plan."""
+    from types import SimpleNamespace
+
+    from draftsmith.train import sharding
+
+    for key in [k for k in os.environ if k.startswith(("ACCELERATE_USE_", "FSDP_"))]:
+        monkeypatch.delenv(key)
+    accelerator = SimpleNamespace(num_processes=2, mixed_precision="no")
+    cfg = SimpleNamespace(target_parallel=1)
+    calls = []
+    compute = sharding.sharding_plan
+    monkeypatch.setattr(sharding, "sharding_plan", lambda *a: calls.append(a) or compute(*a))
+    first = sharding.run_plan(cfg, accelerator)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # would be refused if recomputed
+    assert sharding.run_plan(cfg, accelerator) is first and len(calls) == 1
+    with pytest.raises(ValueError, match="DeepSpeed"):  # another run computes its own
+        sharding.run_plan(cfg, SimpleNamespace(num_processes=2, mixed_precision="no"))
+
+
 def test_checkpoint_state_file_name_is_the_completion_mark(tmp_path):
     (tmp_path / "step_3").mkdir()
     assert latest_checkpoint(tmp_path) is None

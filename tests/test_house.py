@@ -170,6 +170,10 @@ def test_every_floor_has_a_row_for_every_method():
     # each artifact method a head row owns has formats on the layouts floor
     for name, row in HEAD_METHODS.items():
         assert set(row.artifact_methods) == set(LAYOUTS[name].formats), name
+    # a draft llama.cpp serves says how it drafts a chain there, for the acceptance cross-check
+    for spec, row in BENCH_METHODS.items():
+        if row.column and row.serve:
+            assert row.chain is not None and row.chain(3), spec
 
 
 # ------------------------------------------------------------------------------------------------

@@ -55,7 +55,8 @@ def estimated_growth(spec: dict, first: int) -> float:
         soft_labels=False,
         loss_chunk_size=256, per_device_batch_size=1, max_tokens_per_batch=None,
         mixed_precision="bf16" if spec.get("autocast") == "bf16" else "no",
-        packing=bool(spec.get("packed")), attention="auto")
+        packing=bool(spec.get("packed")), attention="auto", target_parallel=1,
+        gradient_accumulation_steps=1)
     trainer = "eagle" if spec["kind"].startswith("eagle") else "medusa"
 
     def growing(tokens: int) -> float:

@@ -98,7 +98,7 @@ def attention_kernels(cfg):
     """The SDPA kernels a training step may use: all of them, or with ``fused_attention_only``
     the fused ones alone (flash, memory-efficient, cuDNN), so that a fall-back to the math
     kernel fails loudly instead of materialising (B, H, n, n) scores."""
-    if not getattr(cfg, "fused_attention_only", False):
+    if not cfg.fused_attention_only:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from draftsmith.train.config import PackingKeys
+
 # A length-sorted window spans about this many micro-batches: big enough that rows of similar
 # length meet, small enough that a micro-batch's rows still come from a random part of the epoch.
 WINDOW_MICRO_BATCHES = 64
@@ -314,7 +316,7 @@ def make_batches(dataset, cfg, accelerator, collate_fn: Callable, *, lengths: Se
                      num_processes=accelerator.num_processes,
                      accumulation=accelerator.gradient_accumulation_steps,
                      weights=weights, weight_fn=weight_fn,
-                     packed=bool(getattr(cfg, "packing", False)))
+                     packed=isinstance(cfg, PackingKeys) and cfg.packing)
     return TrainBatches(dataset, plan, collate_fn, process_index=accelerator.process_index,
                         num_workers=cfg.num_workers,
                         pin_memory=accelerator.device.type == "cuda")

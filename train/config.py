@@ -438,6 +438,35 @@ class LoraKeys:
 
 
 @dataclasses.dataclass
+class FeatureKeys:
+    """The option group of a trainer whose draft reads the target's hidden states (EAGLE heads,
+    block drafts): online in every step, or offline from the feature cache they share
+    (``train/features.py``). Shared code reads it only from a config that declares it."""
+
+    feature_mode: Literal["online", "offline"] = option(
+        "online", "online: run the target inside every step; offline: once over the data into a "
+        "feature cache, then train from disk (same batches; may change on resume)",
+        may_change_on_resume=True)
+    feature_cache_dir: str | None = option(
+        None, "offline mode: the feature cache directory (none: <output_dir>/features); a cache "
+        "written for the same target, head layers, dtype and data is reused (and finished if a "
+        "run was interrupted), anything else is refused", may_change_on_resume=True)
+    feature_dtype: Literal["bf16", "fp32"] = option(
+        "bf16", "offline mode: the dtype the cache stores features in (bf16 halves the disk; "
+        "the head reads them in its own precision)", may_change_on_resume=True)
+
+
+@dataclasses.dataclass
+class PackingKeys:
+    """The option group of a trainer that can pack a micro-batch's rows into one row."""
+
+    packing: bool = option(
+        False, "lay the rows of a micro-batch end to end in one row (no padding; a token budget "
+        "counts real tokens); every position attends within its own row, so the loss is the "
+        "unpacked one")
+
+
+@dataclasses.dataclass
 class TrainConfig:
     """Keys shared by every draftsmith trainer (each script's config subclasses this)."""
 

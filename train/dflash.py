@@ -48,7 +48,7 @@ from draftsmith.heads.dflash_loss import (
 )
 from draftsmith.targets.target import Target
 from draftsmith.train.batches import make_batches, row_sizes
-from draftsmith.train.config import TrainConfig, option, parse_config
+from draftsmith.train.config import FeatureKeys, TrainConfig, option, parse_config
 from draftsmith.train.estimate import LAYER_FACTOR, MemoryModel, Shape, StepSizes
 from draftsmith.train.features import FeatureSpec, feature_rows, load_feature_target
 from draftsmith.train.loop import Recipe, StepOutput, TrainResult, start_run, write_run_artifact
@@ -57,7 +57,7 @@ from draftsmith.train.tracking import AcceptanceEval
 
 
 @dataclass
-class DFlashTrainConfig(TrainConfig):
+class DFlashTrainConfig(FeatureKeys, TrainConfig):
     """Train a DFlash or DSpark block draft on a frozen target (train/dflash.py)."""
 
     method: Literal["dflash", "dspark"] = option(
@@ -82,14 +82,6 @@ class DFlashTrainConfig(TrainConfig):
     soft_weight: float = option(
         0.0, "weight of the cross-entropy on the target's distribution at each slot")
     conf_weight: float = option(DEFAULT_CONF_WEIGHT, "dspark: weight of the confidence loss")
-    feature_mode: Literal["online", "offline"] = option(
-        "online", "online: run the target inside every step; offline: once over the data into a "
-        "feature cache (the same cache as EAGLE's), then train from disk", may_change_on_resume=True)
-    feature_cache_dir: str | None = option(
-        None, "offline mode: the feature cache directory (none: <output_dir>/features)",
-        may_change_on_resume=True)
-    feature_dtype: Literal["bf16", "fp32"] = option(
-        "bf16", "offline mode: the dtype the cache stores features in", may_change_on_resume=True)
     eval_block_size: int | None = option(
         None, "evaluation: draft tokens per round (none: the whole block)",
         may_change_on_resume=True)

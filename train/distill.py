@@ -92,7 +92,7 @@ from draftsmith.train.distill_rows import collate_distill, load_distill_rows
 from draftsmith.train.estimate import LAYER_FACTOR, MemoryModel, Shape, StepSizes
 from draftsmith.train.loop import Recipe, StepOutput, TrainResult, start_run
 from draftsmith.train.on_policy import draft_sampled_batch, is_on_policy, seed_from
-from draftsmith.train.sharding import FSDP2, load_run_target, sharding_plan, whole_module
+from draftsmith.train.sharding import FSDP2, load_run_target, run_plan, whole_module
 from draftsmith.train.tracking import AcceptanceEval, PeriodicEval, share_batches
 
 FRESH_PREFIX = "fresh:"
@@ -323,7 +323,7 @@ class HeldOutAcceptance(PeriodicEval):
         self.idle: list[bool] = []  # batches run only because a sharded forward needs everyone
         if not self.every:
             return
-        plan = sharding_plan(cfg, accelerator)
+        plan = run_plan(cfg, accelerator)
         if plan.shards_target and not all(row["answered"] for row in rows):
             raise ValueError("held-out rows without an answer are answered by the target, one "
                              "generation per process, which a sharded target cannot do; answer "
@@ -394,7 +394,7 @@ def planned_sizes(rows: list[dict], cfg: DistillConfig) -> tuple[list[int], list
 
 def _draft_directory(cfg) -> str | None:
     """A draft given as a directory or hub id, whose config.json the estimate reads."""
-    draft = getattr(cfg, "draft", None)
+    draft = cfg.draft
     return draft if draft and not draft.startswith(("truncate:", "fresh:")) else None
 
 
@@ -438,7 +438,7 @@ def memory_parts(cfg, target: Shape, sizes: StepSizes) -> dict[str, float]:
     chunk = min(cfg.loss_chunk_size, n)
     parts[f"loss chunk ({chunk} x {target.vocab})"] = \
         DISTILL_CHUNK_COPIES[cfg.divergence == "jsd"] * chunk * target.vocab * 4
-    if int(getattr(cfg, "target_parallel", 1)) > 1 or sizes.trained_shards > 1:
+    if cfg.target_parallel > 1 or sizes.trained_shards > 1:
         # whole logits at the scored positions: the target's (its dtype), the draft's (cast to
         # float32 by mixed precision's output wrapper) and the loss's float32 gradient buffer
         parts[f"whole logits ({n} x {target.vocab}, sharded models)"] = \
@@ -460,7 +460,7 @@ MEMORY = MemoryModel(memory_parts, shrink_keys=(
 def build(cfg: DistillConfig) -> Recipe:
     """The run, ready to train: target, rows, the draft, its loss, evaluation and export."""
     accelerator = start_run(cfg, MEMORY)  # seeds first, then the memory check
-    if sharding_plan(cfg, accelerator).trained == FSDP2 and cfg.on_policy_ratio > 0:
+    if run_plan(cfg, accelerator).trained == FSDP2 and cfg.on_policy_ratio > 0:
         raise ValueError(f"on_policy_ratio is {cfg.on_policy_ratio}, but the launch shards the "
                          f"draft with FSDP2: every forward of a sharded draft needs all "
                          f"processes, and each samples continuations of its own length; set "

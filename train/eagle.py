@@ -78,7 +78,7 @@ from draftsmith.heads.ttt_attention import resolve_backend
 from draftsmith.targets.features import target_features
 from draftsmith.targets.target import Target
 from draftsmith.train.batches import make_batches, row_sizes
-from draftsmith.train.config import TrainConfig, option, parse_config
+from draftsmith.train.config import FeatureKeys, PackingKeys, TrainConfig, option, parse_config
 from draftsmith.train.estimate import (
     EAGLE_FACTOR,
     EAGLE_STEP_OVERHEAD,
@@ -93,7 +93,7 @@ from draftsmith.train.tracking import AcceptanceEval
 
 
 @dataclass
-class EagleTrainConfig(TrainConfig):
+class EagleTrainConfig(FeatureKeys, PackingKeys, TrainConfig):
     """Train an EAGLE-1 or EAGLE-3 head on a frozen target (train/eagle.py)."""
 
     version: Literal[1, 3] = option(
@@ -117,21 +117,6 @@ class EagleTrainConfig(TrainConfig):
         None, "EAGLE-3: start the head as the target's decoder layer of this index applied to "
         "its input, one of aux_layer_ids (fc passing that feature through, the embedding half "
         "of q/k/v zero), instead of a random start (none)")
-    feature_mode: Literal["online", "offline"] = option(
-        "online", "online: run the target inside every step; offline: once over the data into a "
-        "feature cache, then train from disk (same batches; may change on resume)",
-        may_change_on_resume=True)
-    feature_cache_dir: str | None = option(
-        None, "offline mode: the feature cache directory (none: <output_dir>/features); a cache "
-        "written for the same target, head layers, dtype and data is reused (and finished if a "
-        "run was interrupted), anything else is refused", may_change_on_resume=True)
-    feature_dtype: Literal["bf16", "fp32"] = option(
-        "bf16", "offline mode: the dtype the cache stores features in (bf16 halves the disk; "
-        "the head reads them in its own precision)", may_change_on_resume=True)
-    packing: bool = option(
-        False, "lay the rows of a micro-batch end to end in one row (no padding; a token budget "
-        "counts real tokens); every position attends within its own row, so the loss is the "
-        "unpacked one")
     attention: Literal["auto", "flex", "sdpa"] = option(
         "auto", "test-time attention kernel: flex (flex attention with a block mask, compiled; "
         "GPU only: torch has no flex backward on a CPU), sdpa (fused scaled_dot_product_attention "
@@ -253,12 +238,12 @@ def memory_parts(cfg, target: Shape, sizes: StepSizes) -> dict[str, float]:
     # each step's widened queries and output, the step-0 keys and values with the diagonal sinks
     # and the diagonal's combination, plus a (n, n + i) bool mask per step for packed rows (their
     # documents told apart) and three more while the next one is built
-    if resolve_backend(getattr(cfg, "attention", "auto"), torch.device(sizes.device)) == "flex":
+    if resolve_backend(cfg.attention, torch.device(sizes.device)) == "flex":
         kernel, attention = "flex", 2 * target.kv_dim * act * steps * (steps + 1) / 2
     else:
         kernel = "sdpa"
         attention = (3 * target.q_dim + 2 * target.kv_dim) * act * steps
-        if getattr(cfg, "packing", False):
+        if cfg.packing:
             attention += (steps + 3) * n  # bytes per token of the masks
     parts[f"test-time attention activations ({kernel})"] = attention * n
     parts["target forward and features"] = sizes.target_forward + features * n

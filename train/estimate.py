@@ -301,7 +301,7 @@ class MemoryModel:
         LM head alone are loaded (training from a finished feature cache); the target's shards
         come from ``cfg.target_parallel``."""
         on_gpu = device != "cpu"
-        bf16 = on_gpu or getattr(cfg, "mixed_precision", "no") in ("bf16", "fp16")
+        bf16 = on_gpu or cfg.mixed_precision in ("bf16", "fp16")
         act = 2 if bf16 else 4
         n = tokens_per_micro_batch(cfg)
         sizes = StepSizes(tokens=n, act=act, weight=2 if on_gpu else 4, processes=processes,
@@ -310,14 +310,14 @@ class MemoryModel:
         est = Estimate(tokens=n, device=device)
         est.parts["process (CUDA context, allocator)" if on_gpu
                   else "process (python, torch, data)"] = RUNTIME_BYTES["cuda" if on_gpu else "cpu"]
-        name, weights = target_weights(target, int(getattr(cfg, "target_parallel", 1)),
+        name, weights = target_weights(target, int(cfg.target_parallel),
                                        parts_only)
         est.parts[name] = weights * sizes.weight
         own = self.parts(cfg, target, sizes)
         est.parts.update(own)
         est.phases[FORWARD_BACKWARD] = [k for k in own if not k.startswith(("trained", "frozen"))]
         step, transient = optimizer_step_parts(
-            sizes, int(getattr(cfg, "gradient_accumulation_steps", 1) or 1) > 1)
+            sizes, int(cfg.gradient_accumulation_steps or 1) > 1)
         est.parts.update(step)
         est.phases[OPTIMIZER_STEP] = transient
         return est

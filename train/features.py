@@ -73,6 +73,7 @@ from tqdm.auto import tqdm
 from draftsmith.targets.features import FeatureSpec, target_features
 from draftsmith.targets.shards import is_sharded
 from draftsmith.targets.target import Target, dtype_name
+from draftsmith.train.config import FeatureKeys, PackingKeys
 from draftsmith.train.rows import collate_causal_lm, pack_rows
 
 FORMAT = "draftsmith-feature-cache"
@@ -559,7 +560,7 @@ def collate_features(rows: Sequence[Mapping], pad_token_id: int,
 def loads_target_parts(cfg) -> bool:
     """Whether a run needs only the target's embedding, final norm and LM head: it trains from a
     finished feature cache without evaluating (``feature_mode: offline``, ``eval_every: 0``)."""
-    if getattr(cfg, "feature_mode", "online") != "offline" or cfg.eval_every:
+    if not isinstance(cfg, FeatureKeys) or cfg.feature_mode != "offline" or cfg.eval_every:
         return False
     try:
         return cache_is_complete(feature_cache_dir(cfg))
@@ -602,7 +603,7 @@ def feature_cache_dir(cfg) -> Path:
 def feature_rows(cfg, accelerator, target: Target, dataset, config, pad_id: int):
     """(rows, collate) of a run: the tokenised dataset (online: the target runs in the step), or
     the feature cache, written first by every process at once (offline)."""
-    packed = bool(getattr(cfg, "packing", False))
+    packed = isinstance(cfg, PackingKeys) and cfg.packing
     if cfg.feature_mode != "offline":
         return dataset, partial(collate_causal_lm, pad_token_id=pad_id, packed=packed)
     directory = feature_cache_dir(cfg)

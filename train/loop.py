@@ -43,6 +43,7 @@ from draftsmith.heads.artifact import save_artifact
 from draftsmith.train.accelerator import attention_kernels, close_process_group, make_accelerator
 from draftsmith.train.batches import TrainBatches, loss_scale, padded_tokens
 from draftsmith.train.checkpoints import Checkpointer, TrainState, check_resume_layout
+from draftsmith.train.config import FeatureKeys
 from draftsmith.train.estimate import MemoryModel, check_fits
 from draftsmith.train.features import feature_cache_dir
 from draftsmith.train.optimizer import apply_learning_rate, make_optimizer
@@ -52,8 +53,8 @@ from draftsmith.train.sharding import (
     check_target_shards,
     full_state_dict,
     gradient_sync,
+    run_plan,
     shard_trained,
-    sharding_plan,
 )
 from draftsmith.train.signals import GracefulStop
 from draftsmith.train.tracking import MetricsLogger, PeriodicEval, peak_memory_gb
@@ -119,7 +120,7 @@ def start_run(cfg, memory: MemoryModel) -> Accelerator:
     output directory (and an offline feature cache) shared by every process, and the memory
     check."""
     accelerator = make_accelerator(cfg)
-    plan = sharding_plan(cfg, accelerator)
+    plan = run_plan(cfg, accelerator)
     if plan.any and cfg.eval_every:
         raise ValueError(
             f"eval_every is {cfg.eval_every}, but this run shards "
@@ -130,7 +131,7 @@ def start_run(cfg, memory: MemoryModel) -> Accelerator:
     check_target_shards(cfg, plan)
     check_resume_layout(cfg, plan)
     check_shared_directory(accelerator, Path(cfg.output_dir), "output_dir")
-    if getattr(cfg, "feature_mode", "online") == "offline":  # every process reads every file
+    if isinstance(cfg, FeatureKeys) and cfg.feature_mode == "offline":  # every process reads every file
         check_shared_directory(accelerator, feature_cache_dir(cfg), "feature_cache_dir")
     check_fits(cfg, accelerator, memory, plan)
     return accelerator
@@ -185,9 +186,9 @@ def run_training(cfg, accelerator: Accelerator, *, model: nn.Module, batches: Tr
     ``stop`` replaces the SIGINT/SIGTERM handler (a subclass that requests a stop after some
     step, say).
     """
-    sharded = sharding_plan(cfg, accelerator).trained == FSDP2
+    sharded = run_plan(cfg, accelerator).trained == FSDP2
     if sharded:  # FSDP2 through torch (accelerate shards only on GPUs); never prepared
-        model = shard_trained(model, sharding_plan(cfg, accelerator), accelerator.device)
+        model = shard_trained(model, run_plan(cfg, accelerator), accelerator.device)
         optimizer = make_optimizer(model, cfg)
     else:
         optimizer = make_optimizer(model, cfg)

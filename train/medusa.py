@@ -110,7 +110,7 @@ from draftsmith.train.estimate import LAYER_FACTOR, MemoryModel, Shape, StepSize
 from draftsmith.train.loop import Recipe, StepOutput, TrainResult, start_run
 from draftsmith.train.regenerate import merge_shards, regenerate
 from draftsmith.train.rows import collate_causal_lm, load_sft_dataset
-from draftsmith.train.sharding import load_run_target, sharding_plan, whole_module
+from draftsmith.train.sharding import load_run_target, run_plan, whole_module
 from draftsmith.train.tracking import AcceptanceEval, PeriodicEval, share_batches
 
 _MEDUSA2_ONLY = {"kl_weight": 1.0, "lm_loss_weight": 0.0, "lora_r": 16, "lora_alpha": 32.0,
@@ -329,7 +329,7 @@ class HeldOutAccuracy(PeriodicEval):
         self.idle: list[bool] = []  # batches run only because a sharded forward needs everyone
         if not self.num_rows:
             return
-        lockstep = sharding_plan(cfg, accelerator).any
+        lockstep = run_plan(cfg, accelerator).any
         for rows_of_batch in share_batches(self.num_rows, accelerator, cfg.per_device_batch_size,
                                            lockstep):
             batch = collate_causal_lm([rows[i] for i in rows_of_batch or [0]], pad_token_id)
@@ -483,7 +483,7 @@ def memory_parts(cfg, target: Shape, sizes: StepSizes) -> dict[str, float]:
     n, act, h = sizes.tokens, sizes.act, target.hidden
     parts: dict[str, float] = {}
     k = cfg.num_heads
-    draft_vocab = getattr(cfg, "draft_vocab_size", None)
+    draft_vocab = cfg.draft_vocab_size
     vocab = draft_vocab or target.vocab  # what the heads' logits range over
     trained = k * cfg.num_layers * (h * h + h)
     if draft_vocab:  # a trained projection onto the draft tokens, shared or one per head
@@ -524,7 +524,7 @@ MEMORY = MemoryModel(memory_parts, shrink_keys=(
 def build(cfg: MedusaTrainConfig) -> Recipe:
     """The run, ready to train: target, data, heads (+ the LoRA copy), evaluation and export."""
     accelerator = start_run(cfg, MEMORY)  # seeds first, then the memory check
-    if sharding_plan(cfg, accelerator).any and cfg.tree_nodes == "auto":
+    if run_plan(cfg, accelerator).any and cfg.tree_nodes == "auto":
         raise ValueError("tree_nodes is auto, which times the target and heads on the main "
                          "process alone, but this run shards them (every forward needs all "
                          "processes): give a node count (tree_nodes: 60, say), or size the tree "

@@ -68,11 +68,21 @@ def launch_fsdp() -> tuple[int, bool] | None:
     return version, reshard
 
 
+def run_plan(cfg, accelerator) -> ShardingPlan:
+    """The run's sharding plan, computed once (by :func:`draftsmith.train.loop.start_run`, before
+    anything loads) and carried on the run's accelerator: every later reader gets that object."""
+    plan = getattr(accelerator, "draftsmith_sharding_plan", None)
+    if plan is None:
+        plan = sharding_plan(cfg, accelerator)
+        accelerator.draftsmith_sharding_plan = plan
+    return plan
+
+
 def sharding_plan(cfg, accelerator) -> ShardingPlan:
     """The run's plan from the launch (FSDP2 or not) and ``target_parallel``, refusing what
     cannot work with one line each (before any weight is loaded)."""
     processes = accelerator.num_processes
-    target_parallel = int(getattr(cfg, "target_parallel", 1))
+    target_parallel = int(cfg.target_parallel)
     if processes % target_parallel:
         raise ValueError(f"target_parallel {target_parallel} does not divide the {processes} "
                          f"processes of this launch: the mesh is (processes / target_parallel, "
@@ -340,7 +350,7 @@ def load_run_target(cfg, accelerator, *, parts_only: bool = False):
     device = accelerator.device
     if parts_only:
         return load_target_parts(cfg.target, device=device)
-    plan = sharding_plan(cfg, accelerator)
+    plan = run_plan(cfg, accelerator)
     if plan.shards_target:
         from draftsmith.targets.shards import load_sharded_target
 
