@@ -40,8 +40,8 @@ from draftsmith.targets.target import load_target
 from draftsmith.train.regenerate import load_prompts
 
 target = load_target("smollm2-135m")
-files = {"data/train/sharegpt_first_turns.json": 700,
-         "data/train/gpteacher_roleplay_instruct.json": 500, "data/train/gsm8k_train.jsonl": 300}
+files = {"data/train/sharegpt_first_turns.json.gz": 700,
+         "data/train/gpteacher_roleplay_instruct.json.gz": 500, "data/train/gsm8k_train.jsonl.gz": 300}
 rng = random.Random(0)
 rows = []
 for path, count in files.items():
@@ -90,7 +90,7 @@ distill-fixed)  # the same recipe after the loss-weight overflow fix (an int8 su
   "${LAUNCH[@]}" --num_cpu_threads_per_process 2 train/distill.py \
     --config configs/distill/smollm2-135m.yaml --output_dir runs/distill6-fixed --resume latest \
     --draft truncate:6 --draft_vocab_size none --freeze_embedding false \
-    --data data/train/selfdistill_answers.jsonl --max_length 512 --per_device_batch_size 4 \
+    --data data/train/selfdistill_answers.jsonl.gz --max_length 512 --per_device_batch_size 4 \
     --on_policy_ratio 0 --learning_rate 3e-4 --warmup_steps 10 --max_steps 200 \
     --save_every 50 --log_every 5 --heldout_every 50 --heldout_max_rows 16 --eval_every 200 \
     --eval_prompts "$HELDOUT" --eval_num_prompts 2 --eval_max_new_tokens 32 --report_to none
@@ -330,7 +330,7 @@ llama-cross-check)  # each head's acceptance per depth in llama.cpp and in our e
   ;;
 llama-regenerate)  # regeneration through llama-server's parallel slots against the in-process
   # backend, the first 64 of the shipped training prompts, 128 tokens, greedy
-  "$PYTHON" scripts/regenerate_speed.py --prompts data/train/selfdistill_prompts.jsonl --num-prompts 64 \
+  "$PYTHON" scripts/regenerate_speed.py --prompts data/train/selfdistill_prompts.jsonl.gz --num-prompts 64 \
     --max-new-tokens 128 --out reports/regenerate_speed.json
   ;;
 peer-speculators)  # speculators' EAGLE-3 trainer against the shipped recipe on the same 1500

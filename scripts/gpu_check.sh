@@ -17,7 +17,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-reports/gpu}
-DATA=${DATA:-data/train/selfdistill_answers.jsonl}
+DATA=${DATA:-data/train/selfdistill_answers.jsonl.gz}
 mkdir -p "$OUT"
 export WANDB_MODE=disabled HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 failed=0

@@ -3,7 +3,7 @@
 # in its own virtual environment) against draftsmith's, on exactly the same rows and the same CPU
 # wall time, both heads measured in one draftsmith.eval.bench run on held-out prompts.
 #
-#   scripts/peer_speculators.sh --data data/train/selfdistill_answers.jsonl --minutes 60 \
+#   scripts/peer_speculators.sh --data data/train/selfdistill_answers.jsonl.gz --minutes 60 \
 #       --ours configs/eagle/smollm2-135m.yaml --out runs/peer
 #
 # Options: --data FILE (JSON/JSONL, .gz too; required)  --minutes M (each trainer's wall time;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The 9k self-distillation set: the embedded target's greedy answers (256 new tokens at most) to
-# data/train/selfdistill9k_prompts.jsonl, through two llama-servers (the f32 GGUF of the target,
+# data/train/selfdistill9k_prompts.jsonl.gz, through two llama-servers (the f32 GGUF of the target,
 # one thread and 32 parallel slots each: single-threaded servers share a 2-core machine without
 # spinning at barriers; no prompt cache, which no prompt here would reuse and which grows to 8 GiB
 # per server by default), one shard each. Rerun to continue where the shards stop; then
@@ -31,7 +31,7 @@ workers=()
 for shard in 0 1; do
   port=$((8091 + shard))
   $PYTHON -m draftsmith.train.data regenerate --backend openai --url "http://127.0.0.1:$port/v1" \
-    --model smollm2 --target smollm2-135m --data data/train/selfdistill9k_prompts.jsonl \
+    --model smollm2 --target smollm2-135m --data data/train/selfdistill9k_prompts.jsonl.gz \
     --out "$OUT" --shard "$shard/2" --concurrency "$SLOTS" --max-new-tokens 256 \
     --temperature 0 > "$LOGS/regenerate-$shard.log" 2>&1 &
   workers+=($!)

@@ -1,6 +1,6 @@
 """Answers per minute of `draftsmith.train.data regenerate` in this process against llama-server's slots.
 
-    python scripts/regenerate_speed.py --prompts data/train/selfdistill_prompts.jsonl \
+    python scripts/regenerate_speed.py --prompts data/train/selfdistill_prompts.jsonl.gz \
         --num-prompts 64 --max-new-tokens 128 --out reports/regenerate_speed.json
 
 The same prompts (first turns only), greedy, the same token limit, for each backend in turn on
@@ -50,7 +50,7 @@ def answers(path: Path, tokenizer) -> list[list[int]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--prompts", default="data/train/selfdistill_prompts.jsonl")
+    parser.add_argument("--prompts", default="data/train/selfdistill_prompts.jsonl.gz")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16, help="hf: prompts per generate")

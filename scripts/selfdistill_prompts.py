@@ -1,7 +1,7 @@
 """The prompts the embedded target answers for the shipped self-distillation data.
 
-    python scripts/selfdistill_prompts.py          # -> data/train/selfdistill_prompts.jsonl
-    python scripts/selfdistill_prompts.py 9k       # -> data/train/selfdistill9k_prompts.jsonl
+    python scripts/selfdistill_prompts.py          # -> data/train/selfdistill_prompts.jsonl.gz
+    python scripts/selfdistill_prompts.py 9k       # -> data/train/selfdistill9k_prompts.jsonl.gz
 
 A seeded, shuffled mix of the training files in data/train (never MT-bench or Vicuna-bench),
 prompts of at most 320 chat tokens, so that any prefix of the file is a mix of every source:
@@ -15,6 +15,7 @@ times the 1728 conversations of the first set's answers.
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 import sys
@@ -27,21 +28,21 @@ from draftsmith.targets.target import load_target  # noqa: E402
 from draftsmith.train.regenerate import load_prompts  # noqa: E402
 
 SETS = {  # name -> (the file written, {source file: at most this many prompts})
-    "shipped": ("data/train/selfdistill_prompts.jsonl", {
-        "data/train/sharegpt_first_turns.json": 2600,
-        "data/train/gpteacher_roleplay_instruct.json": 900,
-        "data/train/gsm8k_train.jsonl": 700,
-        "data/train/gpteacher_codegen_instruct.json": 700,
-        "data/train/mbpp_train.jsonl": 300,
-        "data/train/self_instruct_seed_tasks_175.jsonl": 175,
+    "shipped": ("data/train/selfdistill_prompts.jsonl.gz", {
+        "data/train/sharegpt_first_turns.json.gz": 2600,
+        "data/train/gpteacher_roleplay_instruct.json.gz": 900,
+        "data/train/gsm8k_train.jsonl.gz": 700,
+        "data/train/gpteacher_codegen_instruct.json.gz": 700,
+        "data/train/mbpp_train.jsonl.gz": 300,
+        "data/train/self_instruct_seed_tasks_175.jsonl.gz": 175,
     }),
-    "9k": ("data/train/selfdistill9k_prompts.jsonl", {
-        "data/train/sharegpt_first_turns.json": 2600,
-        "data/train/gpteacher_roleplay_instruct.json": 1923,
-        "data/train/gsm8k_train.jsonl": 2000,
-        "data/train/gpteacher_codegen_instruct.json": 2200,
-        "data/train/mbpp_train.jsonl": 374,
-        "data/train/self_instruct_seed_tasks_175.jsonl": 175,
+    "9k": ("data/train/selfdistill9k_prompts.jsonl.gz", {
+        "data/train/sharegpt_first_turns.json.gz": 2600,
+        "data/train/gpteacher_roleplay_instruct.json.gz": 1923,
+        "data/train/gsm8k_train.jsonl.gz": 2000,
+        "data/train/gpteacher_codegen_instruct.json.gz": 2200,
+        "data/train/mbpp_train.jsonl.gz": 374,
+        "data/train/self_instruct_seed_tasks_175.jsonl.gz": 175,
     }),
 }
 MAX_PROMPT_TOKENS = 320
@@ -59,12 +60,14 @@ def main(name: str = "shipped") -> None:
         prompts, _ = load_prompts([str(REPO / path)])
         short = [p for p in prompts if len(target.chat_ids(p[0])) <= MAX_PROMPT_TOKENS]
         chosen = rng.sample(short, min(count, len(short)))
-        rows += [{"messages": [m for turn in p for m in turn], "source": Path(path).name}
-                 for p in chosen]
+        rows += [{"messages": [m for turn in p for m in turn],
+                  "source": Path(path).name.removesuffix(".gz")} for p in chosen]
         print(f"{path}: {len(chosen)} of {len(prompts)} prompts ({len(short)} short enough)")
     rng.shuffle(rows)
-    out_path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
-                   encoding="utf-8")
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    with open(out_path, "wb") as f:  # gzip, no name or time in the header: the same bytes each run
+        with gzip.GzipFile(fileobj=f, mode="wb", compresslevel=9, filename="", mtime=0) as z:
+            z.write(text.encode("utf-8"))
     print(f"{len(rows)} prompts -> {out_path.relative_to(REPO)}")
 
 

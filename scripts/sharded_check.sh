@@ -5,12 +5,12 @@
 # the target whole), packed rows, every SDPA call in the fused kernels; 6 bf16 steps of EAGLE-3
 # on the embedded target, then the step-3 checkpoint resumed: steps 4-6 again, the same losses.
 # Prints one JSON object; exits non-zero on any failure.
-#   OUT=reports/gpu DATA=data/train/selfdistill_answers.jsonl scripts/sharded_check.sh
+#   OUT=reports/gpu DATA=data/train/selfdistill_answers.jsonl.gz scripts/sharded_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-reports/gpu}
-DATA=${DATA:-data/train/selfdistill_answers.jsonl}
+DATA=${DATA:-data/train/selfdistill_answers.jsonl.gz}
 gpus=$(nvidia-smi -L | wc -l)
 args=(--config configs/eagle/smollm2-135m.yaml --data "$DATA" --max_length 2048
       --max_tokens_per_batch 16384 --max_steps 6 --save_every 3 --eval_every 0 --log_every 1

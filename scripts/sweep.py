@@ -47,15 +47,15 @@ DEFAULT_PROMPTS = "data/eval/vicuna_bench_question.jsonl"
 EAGLE3_BASE = ["--max_length", "512", "--max_tokens_per_batch", "2048", "--ttt_steps", "4",
                "--learning_rate", "5e-4", "--warmup_steps", "20", "--mixed_precision", "auto",
                "--draft_vocab_size", "8192", "--init_layer", "none",
-               "--data", "data/train/selfdistill_answers.jsonl"]
+               "--data", "data/train/selfdistill_answers.jsonl.gz"]
 # the recipe of the Medusa-1 heads shipped before the sweep (pinned: the config now holds the winner)
 MEDUSA_BASE = ["--max_length", "512", "--max_tokens_per_batch", "2048", "--soft_labels", "false",
                "--learning_rate", "1e-3", "--warmup_steps", "20", "--heldout_every", "0",
-               "--draft_vocab_size", "8192", "--data", "data/train/selfdistill_answers.jsonl"]
+               "--draft_vocab_size", "8192", "--data", "data/train/selfdistill_answers.jsonl.gz"]
 # the distilled draft's recipe before the sweep (scripts/cpu_results.sh distill-fixed), on
 # 2048-token batches (pinned: the config now holds the shipped draft's)
 DISTILL_BASE = ["--draft", "truncate:6", "--draft_vocab_size", "none", "--freeze_embedding", "false",
-                "--data", "data/train/selfdistill_answers.jsonl",
+                "--data", "data/train/selfdistill_answers.jsonl.gz",
                 "--max_length", "512", "--max_tokens_per_batch", "2048", "--on_policy_ratio", "0",
                 "--learning_rate", "3e-4", "--warmup_steps", "10", "--heldout_every", "0"]
 # the shipped EAGLE-3 head's recipe (configs/eagle/smollm2-135m.yaml when it was trained), pinned
