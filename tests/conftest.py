@@ -1,12 +1,23 @@
-"""Shared fixtures: tiny random Llama targets and drafts built in memory (no downloads)."""
+"""Shared fixtures and helpers: tiny random Llama targets and drafts built in memory (no downloads),
+the toy trainer, the embedded target's tokenizer, a stop after N steps, small file helpers."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import socket
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from draftsmith.targets.resolve import resolve_target
 from draftsmith.targets.target import wrap_target
+from draftsmith.train.signals import GracefulStop
+
+TOY = Path(__file__).resolve().parent / "fixtures" / "toy_train.py"
 
 # Tiny models gain nothing from intra-op threads, and on a shared 2-core machine extra threads
 # oversubscribe the CPU (a 4-row matmul went from 0.5 ms to 24 ms). Slow tests on the real target
@@ -63,3 +74,49 @@ def trainer_env(monkeypatch, tmp_path_factory):
     torch.set_num_threads(1)  # the CPU is shared
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    spec = importlib.util.spec_from_file_location("toy_train", TOY)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["toy_train"] = module  # dataclass type hints resolve through sys.modules
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("toy_train", None)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(str(resolve_target("smollm2-135m")))
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+class StopAfter(GracefulStop):
+    """A stop request after ``STEPS`` optimizer steps, exactly as a SIGTERM would make one."""
+
+    STEPS = 2
+
+    def __enter__(self):
+        self.calls = 0
+        return super().__enter__()
+
+    def should_stop(self) -> bool:
+        self.calls += 1
+        if self.calls == self.STEPS:
+            self.request(f"a test stop after step {self.STEPS}")
+        return super().should_stop()

@@ -8,7 +8,6 @@ SIGTERM and two-process tests run it as a subprocess.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -71,16 +70,6 @@ def _subprocess_env() -> dict:
     # this checkout's packages first, whatever copy of draftsmith is installed
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": path}
-
-
-@pytest.fixture(scope="module")
-def toy():
-    spec = importlib.util.spec_from_file_location("toy_train", TOY)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["toy_train"] = module  # dataclass type hints resolve through sys.modules
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("toy_train", None)
 
 
 @pytest.fixture(autouse=True)

@@ -12,10 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from draftsmith.files.file_formats import FileFormatError
-from draftsmith.targets.resolve import resolve_target
 from draftsmith.train import regenerate as regeneration
 from draftsmith.train import rows as data
 from draftsmith.train.regenerate import load_prompts, user_turns
@@ -97,11 +95,6 @@ MESSAGES = [
 ALPACA_OUTPUT = [{"instruction": ROLEPLAY[0]["instruction"], "output": ROLEPLAY[0]["response"]}]
 
 END = "<|im_end|>"  # SmolLM2's end-of-turn token, part of every assistant span
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(str(resolve_target("smollm2-135m")))
 
 
 def write(directory: Path, name: str, rows: list) -> str:

@@ -30,7 +30,7 @@ from draftsmith.heads.artifact import main as artifact_main
 from draftsmith.targets.target import load_target, wrap_target
 
 REPO = Path(__file__).resolve().parents[1]
-toy, one_thread = test_checkpoints.toy, test_checkpoints.one_thread
+one_thread = test_checkpoints.one_thread  # the toy trainer fixture is conftest's
 
 
 def artifact(path: Path, value: float = 1.0, **config) -> Path:

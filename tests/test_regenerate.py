@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import write_jsonl
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from draftsmith.targets.resolve import resolve_target
@@ -55,22 +56,12 @@ def conversations(n: int) -> list[dict]:
                               system="Be brief." if i % 4 == 0 else None)} for i in range(n)]
 
 
-def write_jsonl(path: Path, rows: list[dict]) -> str:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return str(path)
-
-
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().split("\n") if line]
 
 
 def by_index(path: Path) -> dict[int, dict]:
     return {r["prompt_index"]: r for r in read_jsonl(path)}
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(str(resolve_target("smollm2-135m")))
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import http.server
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 from transformers import AutoTokenizer
 
 from draftsmith.targets.resolve import resolve_target
@@ -82,11 +82,6 @@ def server():
     finally:
         httpd.shutdown()
         httpd.server_close()
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(str(resolve_target("smollm2-135m")))
 
 
 def prompts_file(path: Path, asks: list[str]) -> str:
@@ -215,12 +210,6 @@ def test_merge_refuses_a_non_positive_shard_count(count, tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------------------
 # Tracebacks
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_dead_server_is_one_line(tmp_path, capsys):

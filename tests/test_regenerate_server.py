@@ -12,7 +12,6 @@ from __future__ import annotations
 import http.server
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
 from transformers import AutoTokenizer
 
 from draftsmith.targets.resolve import resolve_target
@@ -51,12 +51,6 @@ CONVERSATIONS = [
      {"role": "user", "content": "Which of the two is an insect?"}],
 ]
 GREEDY = dict(max_new_tokens=12, temperature=0.0, progress=False)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -90,11 +84,6 @@ def server(tmp_path_factory):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(str(resolve_target("smollm2-135m")))
 
 
 def by_index(path: Path) -> dict[int, dict]:

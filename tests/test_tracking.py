@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,16 +31,6 @@ BASE = dict(target="tiny-llama", mixed_precision="no", max_steps=6, per_device_b
             gradient_accumulation_steps=2, num_rows=20, warmup_steps=2, learning_rate=1e-2,
             save_every=0, log_every=1, eval_every=0)
 PROMPTS = ["Write a haiku about checkpoints.", "What is 2 + 2?", "Name three colours."]
-
-
-@pytest.fixture(scope="module")
-def toy():
-    spec = importlib.util.spec_from_file_location("toy_train", TOY)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["toy_train"] = module  # dataclass type hints resolve through sys.modules
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("toy_train", None)
 
 
 @pytest.fixture(autouse=True)

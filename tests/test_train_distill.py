@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import test_sharding as sharding
 import torch
+from conftest import StopAfter, records
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
@@ -131,10 +132,6 @@ def decodes_like_the_target(target, draft_dir) -> bool:
     greedy = SamplingParams(temperature=0.0)
     return speculative.run(prompt, 12, greedy, seed=0).tokens == \
         plain.run(prompt, 12, greedy, seed=0).tokens
-
-
-def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def weights_on_disk(directory: str) -> dict[str, torch.Tensor]:
@@ -290,22 +287,6 @@ def test_gradient_checkpointing_gives_the_same_gradients(files, tmp_path):
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 4
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, msg=name)
-
-
-class StopAfter(GracefulStop):
-    """A stop request after ``STEPS`` optimizer steps, exactly as a SIGTERM would make one."""
-
-    STEPS = 2
-
-    def __enter__(self):
-        self.calls = 0
-        return super().__enter__()
-
-    def should_stop(self) -> bool:
-        self.calls += 1
-        if self.calls == self.STEPS:
-            self.request(f"a test stop after step {self.STEPS}")
-        return super().should_stop()
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import test_sharding as sharding
 import torch
+from conftest import StopAfter, write_jsonl
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -75,11 +76,6 @@ def conversation(rng: random.Random, user_words: int, answer_words: int) -> dict
         return " ".join(rng.choice(WORDS) for _ in range(n))
     return {"messages": [{"role": "user", "content": text(user_words)},
                          {"role": "assistant", "content": text(answer_words)}]}
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> str:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -152,22 +148,6 @@ def initial_head(cfg: EagleTrainConfig, target) -> EagleHead:
     d2t, t2d, _ = draft_vocabulary(dataset, config_)
     torch.manual_seed(cfg.seed)
     return EagleHead(config_, target, d2t=d2t, t2d=t2d, dtype=torch.float32)
-
-
-class StopAfter(GracefulStop):
-    """A stop request after ``STEPS`` optimizer steps, exactly as a SIGTERM would make one."""
-
-    STEPS = 2
-
-    def __enter__(self):
-        self.calls = 0
-        return super().__enter__()
-
-    def should_stop(self) -> bool:
-        self.calls += 1
-        if self.calls == self.STEPS:
-            self.request(f"a test stop after step {self.STEPS}")
-        return super().should_stop()
 
 
 @pytest.fixture(scope="module", params=[1, 3], ids=["eagle1", "eagle3"])

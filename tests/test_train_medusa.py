@@ -20,6 +20,7 @@ import pytest
 import test_sharding as sharding
 import torch
 import torch.nn.functional as F
+from conftest import StopAfter, records
 from medusa_reference import medusa_loss, rank_hits
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -101,10 +102,6 @@ def base_config(files, out: Path, **overrides) -> MedusaTrainConfig:
     return config_from_dict(MedusaTrainConfig, values)
 
 
-def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def weights_on_disk(directory) -> dict[str, torch.Tensor]:
     return load_file(str(Path(directory) / "model.safetensors"))
 
@@ -112,22 +109,6 @@ def weights_on_disk(directory) -> dict[str, torch.Tensor]:
 def greedy(target, proposer, prompt: list[int], n: int = 24) -> list[int]:
     return SpeculativeEngine(target).generate(prompt, n, SamplingParams(temperature=0.0),
                                               proposer, seed=0).tokens
-
-
-class StopAfter(GracefulStop):
-    """A stop request after ``STEPS`` optimizer steps, exactly as a SIGTERM would make one."""
-
-    STEPS = 2
-
-    def __enter__(self):
-        self.calls = 0
-        return super().__enter__()
-
-    def should_stop(self) -> bool:
-        self.calls += 1
-        if self.calls == self.STEPS:
-            self.request(f"a test stop after step {self.STEPS}")
-        return super().should_stop()
 
 
 # ------------------------------------------------------------------------------------------------
