@@ -37,11 +37,11 @@ from urllib.parse import urlsplit
 from draftsmith.eval.report_figures import (
     Metrics,
     ReportError,
-    _interval,
-    _number,
     accepted_lengths_figure,
     alpha_figure,
     categories_figure,
+    ci_interval,
+    finite_number,
     read_metrics,
     speedup_figure,
     tau_figure,
@@ -137,7 +137,7 @@ def _e(value) -> str:
 
 
 def _fmt(value, digits: int = 3) -> str:
-    number = _number(value)
+    number = finite_number(value)
     if number is None:
         return "-" if value is None else _e(value)
     if isinstance(value, int):
@@ -146,10 +146,10 @@ def _fmt(value, digits: int = 3) -> str:
 
 
 def _with_ci(record: dict, key: str, ci_key: str) -> str:
-    value = _number(record.get(key))
+    value = finite_number(record.get(key))
     if value is None:
         return "-"
-    ci = _interval(record, ci_key)
+    ci = ci_interval(record, ci_key)
     return f"{value:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
 
 

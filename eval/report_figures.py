@@ -41,23 +41,25 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def _number(value) -> float | None:
+def finite_number(value) -> float | None:
+    """A report value as a finite float, or None (missing, a bool, NaN, infinite)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value) if math.isfinite(value) else None
 
 
-def _interval(record: dict, key: str):
+def ci_interval(record: dict, key: str):
+    """A record's [low, high] interval under ``key`` as two floats, or None."""
     value = record.get(key)
     if (isinstance(value, list) and len(value) == 2
-            and all(_number(v) is not None for v in value)):
+            and all(finite_number(v) is not None for v in value)):
         return [float(v) for v in value]
     return None
 
 
 def _bars_with_intervals(records: list[dict], key: str, ci_key: str, xlabel: str,
                          reference: float | None) -> bytes | None:
-    rows = [(r["method"], _number(r.get(key)), _interval(r, ci_key)) for r in records]
+    rows = [(r["method"], finite_number(r.get(key)), ci_interval(r, ci_key)) for r in records]
     rows = [row for row in rows if row[1] is not None]
     if not rows:
         return None
@@ -130,8 +132,8 @@ def alpha_figure(records: list[dict]) -> bytes | None:
     series = []
     for r in records:
         values = r.get("alpha_per_depth")
-        if isinstance(values, list) and any(_number(v) is not None for v in values):
-            series.append((r["method"], [_number(v) for v in values]))
+        if isinstance(values, list) and any(finite_number(v) is not None for v in values):
+            series.append((r["method"], [finite_number(v) for v in values]))
     if not series:
         return None
     plt = _pyplot()
@@ -147,7 +149,7 @@ def accepted_lengths_figure(records: list[dict]) -> bytes | None:
     series = []
     for r in records:
         hist = r.get("accepted_length_histogram")
-        if isinstance(hist, list) and hist and all(_number(v) is not None for v in hist) \
+        if isinstance(hist, list) and hist and all(finite_number(v) is not None for v in hist) \
                 and sum(hist) > 0:
             series.append((r["method"], [float(v) / sum(hist) for v in hist]))
     if not series:
@@ -172,7 +174,7 @@ def categories_figure(categories: list[dict], reference: str = "hf") -> bytes | 
         for r in c.get("methods") or []:
             if isinstance(r, dict) and r.get("method") != reference:
                 methods.setdefault(r.get("method"), [None] * len(categories))[i] = \
-                    _number(r.get("speedup"))
+                    finite_number(r.get("speedup"))
     methods = {m: v for m, v in methods.items() if any(x is not None for x in v)}
     if not methods:
         return None
@@ -206,7 +208,7 @@ def training_figures(runs: list[Metrics]) -> list[tuple[str, bytes | None, str]]
             keys = sorted({k for r in run.records for k in r if select(k)},
                           key=lambda k: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", k)])
             for key in keys:
-                points = [(r["step"], _number(r.get(key))) for r in run.records]
+                points = [(r["step"], finite_number(r.get(key))) for r in run.records]
                 points = [(s, v) for s, v in points if v is not None]
                 if points:
                     label = key if len(runs) == 1 else f"{run.name}: {key}"

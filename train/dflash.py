@@ -46,11 +46,12 @@ from draftsmith.heads.dflash_loss import (
     anchor_candidates,
     sample_anchors,
 )
+from draftsmith.targets.features import FeatureSpec
 from draftsmith.targets.target import Target
 from draftsmith.train.batches import make_batches, row_sizes
 from draftsmith.train.config import FeatureKeys, TrainConfig, option, parse_config
 from draftsmith.train.estimate import LAYER_FACTOR, MemoryModel, Shape, StepSizes
-from draftsmith.train.features import FeatureSpec, feature_rows, load_feature_target
+from draftsmith.train.features import feature_rows, load_feature_target
 from draftsmith.train.loop import Recipe, StepOutput, TrainResult, start_run, write_run_artifact
 from draftsmith.train.rows import load_sft_dataset
 from draftsmith.train.tracking import AcceptanceEval
