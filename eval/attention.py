@@ -17,9 +17,12 @@ changes what is computed:
   row.
 
 The mask is the engine's 4-D additive float mask (0 where a query may attend, the dtype's minimum
-elsewhere; :func:`tree_attention_mask`), with the positions passed as ``position_ids``.
-Features the function does not implement (soft-capping, attention sinks, position biases, a
-sliding window) are refused by name rather than computed otherwise.
+elsewhere; :func:`tree_attention_mask`), with the positions passed as ``position_ids``. A model
+with sliding-window layers gets one mask per layer type (:func:`layer_masks`): the sliding
+layers' mask also hides every entry a window or more behind the query, by the positions the cache
+records for its entries, so the attention function takes a layer's window as already in its
+mask. Features it does not implement (soft-capping, attention sinks, position biases) are
+refused by name rather than computed otherwise.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from transformers import AttentionInterface
 from draftsmith.targets.target import attention_bias
 
 ENGINE_ATTENTION = "draftsmith"
-_REFUSED = ("softcap", "s_aux", "sinks", "position_bias", "sliding_window")
+_REFUSED = ("softcap", "s_aux", "sinks", "position_bias")
 
 
 def tree_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -95,6 +98,27 @@ def engine_attention(model: torch.nn.Module):
     finally:
         for config, name in zip(configs, saved, strict=True):
             config._attn_implementation = name
+
+
+def layer_masks(cache, attention_mask: torch.Tensor, position_ids: torch.Tensor):
+    """The mask a forward's layers read, from the engine's mask (1, 1, q, kv) over the cache's
+    first kv entries (the q new ones among them, already recorded in ``cache.positions``).
+
+    Without sliding layers it is the mask itself. With them, the sliding layers' copy also hides
+    every entry at or beyond the window behind the query (transformers' rule: query position
+    minus key position < window); a model whose layers all slide gets that tensor, a hybrid one
+    (Gemma-3: five sliding layers to one global) the dict keyed by layer type its model reads.
+    """
+    window = getattr(cache, "window", None)
+    if window is None:
+        return attention_mask
+    kv = attention_mask.shape[-1]
+    behind = position_ids.reshape(-1, 1) - cache.positions[:kv].reshape(1, -1)  # (q, kv)
+    sliding = attention_mask.masked_fill(behind >= window,
+                                         torch.finfo(attention_mask.dtype).min)
+    if cache.layer_types == ["sliding_attention"]:
+        return sliding
+    return {"full_attention": attention_mask, "sliding_attention": sliding}
 
 
 def tree_attention_mask(allowed: torch.Tensor, past: int, dtype: torch.dtype,

@@ -30,7 +30,7 @@ import weakref
 import torch
 from torch._dynamo.utils import counters
 
-from draftsmith.eval.attention import engine_attention
+from draftsmith.eval.attention import engine_attention, layer_masks
 from draftsmith.eval.kv import MIN_CAPACITY, StaticCache
 
 _FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -107,6 +107,8 @@ class ModelForward:
         cache = self.cache
         cache.reserve(int(slots.shape[0]) + max(cache.length, 0) + 1)
         cache.slots = slots
+        if "position_ids" in kwargs:  # a sliding window masks by the entries' positions
+            cache.record_positions(slots, kwargs["position_ids"])
         try:
             with engine_attention(self.module), torch.no_grad():
                 if self.compile == "off" or eager:
@@ -161,6 +163,7 @@ def _no_duck_sizing():
 def causal_lm_call(model, *, cache, input_ids, position_ids, attention_mask,
                    output_hidden_states: bool = False, logits_to_keep: int = 0):
     """A transformers causal LM over the engine's tensors -> its output (logits, hidden states)."""
+    attention_mask = layer_masks(cache, attention_mask, position_ids)
     return model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                  cache=cache, use_cache=True, output_hidden_states=output_hidden_states,
                  logits_to_keep=logits_to_keep)

@@ -17,30 +17,55 @@ every later generation of the same engine. A length pointer says how many entrie
 
 Why not transformers' ``StaticCache``: it attends over the whole capacity on every forward (its
 mask is as long as the buffer), keeps its length in a device tensor (reading it back is a host
-sync) and crops by subtracting, with no way to keep a tree's accepted path. Caches that drop old
-entries (sliding windows) cannot be rolled back in place and are refused with a clear error.
+sync) and crops by subtracting, with no way to keep a tree's accepted path.
+
+Sliding-window layers (Gemma-2/3, Mistral, gpt-oss). transformers' own sliding caches drop the
+entries that leave the window, and a dropped entry cannot come back when a rejected branch is
+rolled back. Here a sliding layer keeps every entry in place, like a full one, and the window goes
+into its mask instead: the cache records the position of every entry it holds
+(:attr:`StaticCache.positions`, on the device, compacted with the entries), and
+:func:`draftsmith.eval.attention.layer_masks` hides from each query the entries a window or more
+behind it. Entries cost the memory of the whole context (a serving engine's paged cache frees
+them; at batch 1 and these lengths that is not what limits), and the masks read the positions of
+the entries, not their slots, so a draft's tree nodes, whose slots follow the sequence's, are
+windowed right too. Layers of any other kind (chunked attention, linear attention, recurrent
+states) are refused with a clear error.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 MIN_CAPACITY = 256  # entries a buffer holds at least; it grows by doubling past that
+FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' names of the layer types
 
 
-def _layer_kinds(config) -> list[str]:
-    """Each layer's cache kind as transformers decides it from the config."""
-    kinds = []
-    for layer in DynamicCache(config=config).layers:
-        if type(layer) is DynamicLayer:
-            kinds.append("full attention")
-        elif isinstance(layer, DynamicSlidingWindowLayer):
-            kinds.append("sliding-window")
+def attention_windows(config) -> list[int | None]:
+    """Each layer's attention window as transformers lays out its cache from ``config``: None
+    for full attention, the window (a query sees the entries fewer than this many positions
+    behind it, itself included) for a sliding layer; any other kind of layer (chunked
+    attention, whose cache transformers also builds as a sliding one; linear attention;
+    recurrent states) is refused."""
+    types, kwargs = get_layer_types_and_kwargs(getattr(config, "get_text_config",
+                                                       lambda **_: config)(decoder=True))
+    windows, other = [], []
+    for layer_type, layer_kwargs in zip(types, kwargs, strict=True):
+        if layer_type == FULL:
+            windows.append(None)
+        elif layer_type == SLIDING and layer_kwargs.get("sliding_window"):
+            windows.append(int(layer_kwargs["sliding_window"]))
         else:
-            kinds.append(type(layer).__name__)
-    return kinds
+            other.append(layer_type)
+    if other:
+        architecture = (getattr(config, "architectures", None) or [config.model_type])[0]
+        raise ValueError(
+            f"{architecture} has {', '.join(sorted(set(other)))} layers, which the engine "
+            "cannot verify into: full-attention and sliding-window decoders are supported")
+    if len({w for w in windows if w is not None}) > 1:
+        raise ValueError(f"layers slide windows of different sizes {sorted(set(windows) - {None})}"
+                         "; the engine supports one window size per model")
+    return windows
 
 
 class StaticLayer(CacheLayerMixin):
@@ -149,17 +174,16 @@ class StaticCache(Cache):
     """
 
     def __init__(self, config, capacity: int = MIN_CAPACITY):
-        kinds = _layer_kinds(config)
-        other = sorted(set(kinds) - {"full attention"})
-        if other:
-            architecture = (getattr(config, "architectures", None) or [config.model_type])[0]
-            raise ValueError(
-                f"{architecture} uses {', '.join(other)} cache layers, which speculative "
-                "verification cannot roll back in place; only full-attention decoders are "
-                "supported for now")
+        windows = attention_windows(config)
         self.capacity = grown(capacity)
         self.slots: torch.Tensor | None = None
-        super().__init__(layers=[StaticLayer(self) for _ in kinds])
+        # the sliding layers' window (None: every layer attends to everything), and which layer
+        # types the model's masks are keyed by (transformers' ``config.layer_types`` names)
+        self.window = next((w for w in windows if w is not None), None)
+        self.layer_types = sorted({FULL if w is None else SLIDING for w in windows})
+        # (capacity,) the position of the entry in each slot, kept where a window needs it
+        self.positions: torch.Tensor | None = None
+        super().__init__(layers=[StaticLayer(self) for _ in windows])
 
     @property
     def length(self) -> int:
@@ -177,6 +201,19 @@ class StaticCache(Cache):
         for layer in self.layers:
             if layer._keys is not None:
                 layer.allocate(layer._keys, layer._values, self.capacity)
+        if self.positions is not None:
+            positions = self.positions.new_zeros(self.capacity)
+            positions[: self.positions.shape[0]] = self.positions
+            self.positions = positions
+
+    def record_positions(self, slots: torch.Tensor, position_ids: torch.Tensor) -> None:
+        """Note the positions (1, q) of the entries a forward writes at ``slots`` (q,), where a
+        sliding window will need them (:func:`draftsmith.eval.attention.layer_masks`)."""
+        if self.window is None:
+            return
+        if self.positions is None or self.positions.device != slots.device:
+            self.positions = torch.zeros(self.capacity, dtype=torch.long, device=slots.device)
+        self.positions.index_copy_(0, slots, position_ids.reshape(-1).to(torch.long))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].length
@@ -191,6 +228,8 @@ class StaticCache(Cache):
         memo[id(self)] = copy
         Cache.__init__(copy, layers=[])
         copy.capacity, copy.slots = self.capacity, None
+        copy.window, copy.layer_types = self.window, self.layer_types
+        copy.positions = None if self.positions is None else self.positions.clone()
         for layer in self.layers:
             twin = StaticLayer(copy)
             twin.length = layer.length
@@ -244,6 +283,9 @@ def compact(cache: StaticCache, past: int, keep: torch.Tensor | list[int] | None
     for buffer in cache.buffers():  # (batch, heads, capacity, dim): one gather, one write each
         index = index.to(buffer.device)
         buffer[:, :, past: past + count] = buffer.index_select(2, index + past)
+    if cache.positions is not None:
+        positions = cache.positions
+        positions[past: past + count] = positions.index_select(0, index.to(positions.device) + past)
     cache.set_length(past + count)
 
 

@@ -1,4 +1,4 @@
-"""Shared fixtures and helpers: tiny random Llama targets and drafts built in memory (no downloads),
+"""Shared fixtures and helpers: tiny random Llama and Gemma-3 targets and drafts built in memory (no downloads),
 the toy trainer, the embedded target's tokenizer, a stop after N steps, small file helpers."""
 
 from __future__ import annotations
@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoTokenizer,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 from draftsmith.targets.resolve import resolve_target
 from draftsmith.targets.target import wrap_target
@@ -40,6 +46,24 @@ def tiny_llama(vocab: int = 96, hidden: int = 64, layers: int = 2, seed: int = 0
         tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def tiny_gemma3(vocab: int = 96, window: int = 8, seed: int = 0, layers: int = 6,
+                dtype: torch.dtype = torch.float64, init: float = 0.02) -> Gemma3ForCausalLM:
+    """A random Gemma-3: sliding-window layers (``window`` positions) beside global ones (two
+    sliding to one global, so 2 global layers of 6), one key/value head, tied and scaled
+    embeddings, query/key norms, two rope bases. Weight std 0.02 (Gemma's own): with tied
+    embeddings a larger one repeats one token; at 0.02 greedy continuations vary and the window
+    changes nearly every token of them."""
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=window, layer_types=[
+            "full_attention" if i % 3 == 2 else "sliding_attention" for i in range(layers)],
+        max_position_embeddings=256, initializer_range=init, tie_word_embeddings=True,
+        eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    return Gemma3ForCausalLM(config).to(dtype).eval()
 
 
 @pytest.fixture(scope="session")
