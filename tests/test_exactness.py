@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from conftest import noisy_copy, tiny_llama
+from conftest import noisy_copy, tiny_gemma3, tiny_llama
 
 import draftsmith.eval.engine as engine_module
 from draftsmith.eval.acceptance import TreeOutcome, verify_chain, verify_tree
@@ -197,6 +197,31 @@ def test_engine_samples_the_exact_target_distribution(small, kind, warp_name):
     # the draft was actually used: some of its tokens were accepted, some rejected
     g = SpeculativeEngine(target).generate(PROMPT, 40, params, make_proposer(kind, draft), seed=1,
                                            stop_at_eos=False)
+    assert 0 < (g.alpha or 0) < 1
+
+
+@pytest.fixture(scope="module")
+def small_gemma():
+    """A Gemma-3 whose sliding layers see 2 positions (the prompt is 3): the window shapes the
+    joint distribution of the generated tokens."""
+    target = wrap_target(tiny_gemma3(vocab=VOCAB, window=2, layers=3, seed=5, init=0.05),
+                         name="g5")
+    # an unrelated, more confident draft: its guesses are often rejected
+    return target, tiny_gemma3(vocab=VOCAB, window=2, layers=3, seed=6, init=0.2)
+
+
+@pytest.mark.parametrize("kind", ["chain", "iid-tree", "topk-tree"])
+def test_engine_samples_exactly_on_a_sliding_window_target(small_gemma, kind):
+    target, draft = small_gemma
+    params = PARAMS["t1"]
+    exact = exact_joint(target, params)
+    unwindowed = tiny_gemma3(vocab=VOCAB, window=64, layers=3, seed=5, init=0.05)  # same weights
+    full = _enumerate_joint(wrap_target(unwindowed, name="g5-full"), params)
+    assert float((full - exact).abs().max()) > 0.01  # the window changes what is sampled
+    counts = engine_joint(target, make_proposer(kind, draft), params)
+    assert worst_deviation(counts.flatten(), exact.flatten()) <= 1.0
+    g = SpeculativeEngine(target).generate(PROMPT, 40, params, make_proposer(kind, draft),
+                                           seed=1, stop_at_eos=False)
     assert 0 < (g.alpha or 0) < 1
 
 
