@@ -146,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="repeat for several methods (see above)")
     p.add_argument("--prompts", required=True,
                    help="JSONL with 'turns' (MT-bench, Spec-Bench's question.jsonl) or plain text")
+    p.add_argument("--prompt-format", choices=("chat", "text"), default="chat",
+                   help="chat: each prompt is a user turn under the target's chat template "
+                        "(default); text: the prompt as it is, continued (a base model such as "
+                        "gemma3-270m, HumanEval's code prompts)")
     p.add_argument("--num-prompts", type=int_at_least(1), default=None,
                    help="use the first N prompts (default: all)")
     p.add_argument("--prompts-per-category", type=int_at_least(1), default=None,
@@ -321,7 +325,7 @@ def draftsmith_engine(args, prompt_set, specs: list[str]) -> EngineRun:
     baseline of speedup) and hf (the greedy reference) added."""
     target = load_target(args.target, device=args.device, dtype=args.dtype,
                          attn_implementation=args.attn_implementation)
-    prompts = [target.chat_ids(p.text) for p in prompt_set.prompts]
+    prompts = [target.prompt_ids(p.text, args.prompt_format) for p in prompt_set.prompts]
     for ids in prompts:
         check_prompt(ids, args.max_new_tokens, target.vocab_size, target.max_context)
     for needed, why in (("hf", "greedy outputs are checked against it"),
@@ -426,7 +430,7 @@ def build_bench_report(args, prompt_set, run, summary) -> dict:
 
     config = {
         "target": args.target, "prompts": str(args.prompts),
-        "num_prompts": len(run.prompts), "skipped_prompts": dict(prompt_set.skipped),
+        "prompt_format": args.prompt_format, "num_prompts": len(run.prompts), "skipped_prompts": dict(prompt_set.skipped),
         "turn": args.turn, "categories": prompt_set.categories,
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed, "warmup": args.warmup,

@@ -215,7 +215,7 @@ def llama_engine(args, prompt_set, specs: list[str], stack: contextlib.ExitStack
         specs = ["plain", *specs]
     load = load_target if args.cross_check else load_target_parts
     target = load(args.target, device="cpu", dtype="float32")
-    prompts = [target.chat_ids(p.text) for p in prompt_set.prompts]
+    prompts = [target.prompt_ids(p.text, args.prompt_format) for p in prompt_set.prompts]
     longest = max(len(p) for p in prompts) + args.max_new_tokens + 16
     ctx_size = max(args.llama_ctx, 256 * math.ceil(longest / 256))
     target_gguf, target_type = gguf_for_target(args.target, args.gguf_target_type)

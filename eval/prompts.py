@@ -5,7 +5,9 @@
   ``category`` (MT-bench: writing, roleplay, ...; Spec-Bench: translation, summarization, qa,
   math_reasoning, rag and the eight MT-bench ones) and ``question_id`` are kept when present;
   other keys (Spec-Bench's ``reference``) are ignored. Spec-Bench's ``data/spec_bench/question.jsonl``
-  reads as it is published.
+  reads as it is published. HumanEval's ``HumanEval.jsonl.gz`` (``prompt``: a function's
+  signature and docstring, to be completed as code) reads as it is too: a file ending ``.gz`` is
+  gzip-compressed and read as the file without that ending.
 * anything else: plain text, one prompt per non-empty line, no category.
 
 Rows that lack the turn asked for (Spec-Bench mixes one- and two-turn rows) are skipped and
@@ -14,7 +16,9 @@ counted, never silently.
 
 from __future__ import annotations
 
+import gzip
 import json
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,13 +64,15 @@ def load_prompts(path: str | Path, *, turn: int = 0, limit: int | None = None,
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
+    compressed = path.suffix == ".gz"
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
+        data = path.read_bytes()
+        text = (gzip.decompress(data) if compressed else data).decode("utf-8")
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError) as err:
         raise ValueError(f"cannot read prompt file {path}: {err}") from err
     prompts: list[Prompt] = []
     skipped: Counter = Counter()
-    if path.suffix in (".jsonl", ".json"):
+    if (path.with_suffix("") if compressed else path).suffix in (".jsonl", ".json"):
         for lineno, line in enumerate(text.split("\n"), start=1):  # not splitlines: U+2028
             if not line.strip():
                 continue

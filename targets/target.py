@@ -368,6 +368,18 @@ class Target:
                 handle.remove()
         return captured, out.last_hidden_state
 
+    def prompt_ids(self, text: str, prompt_format: str = "chat") -> list[int]:
+        """Token ids of a prompt: ``chat`` applies the chat template (:meth:`chat_ids`);
+        ``text`` takes the text as it is, to be continued (a base model's completion prompt,
+        HumanEval's code), with the tokenizer's own special tokens (a BOS where it adds one)."""
+        if prompt_format == "chat":
+            return self.chat_ids(text)
+        if prompt_format != "text":
+            raise ValueError(f"prompt format must be 'chat' or 'text', got {prompt_format!r}")
+        if self.tokenizer is None:
+            raise ValueError(f"target {self.name!r} has no tokenizer; pass token ids instead")
+        return [int(t) for t in self.tokenizer(text)["input_ids"]]
+
     def chat_ids(self, prompt: str | list[dict], system: str | None = None) -> list[int]:
         """Token ids of a user prompt (or a list of messages) with the chat template applied."""
         if self.tokenizer is None:

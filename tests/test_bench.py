@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_llama
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -215,6 +216,27 @@ def test_mt_bench_file_has_its_eight_categories():
     path = Path(__file__).resolve().parents[1] / "data" / "eval" / "mt_bench_question.jsonl"
     prompts = load_prompts(path)
     assert len(prompts.prompts) == 80 and len(prompts.categories) == 8
+
+
+def test_humaneval_reads_as_published_gzip_compressed(tmp_path):
+    path = Path(__file__).resolve().parents[1] / "data" / "eval" / "humaneval.jsonl.gz"
+    prompts = load_prompts(path)
+    assert len(prompts.prompts) == 164 and prompts.categories == []
+    assert prompts.prompts[0].text.startswith("from typing import List\n\n\ndef has_close")
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="cannot read prompt file .*cut.jsonl.gz"):
+        load_prompts(cut)
+
+
+def test_text_prompts_are_continued_as_they_are(tokenizer):
+    target = wrap_target(tiny_llama(vocab=len(tokenizer)), tokenizer, name="t")
+    code = "def add(a, b):\n"
+    assert target.prompt_ids(code, "text") == tokenizer(code)["input_ids"]
+    chat = target.prompt_ids(code, "chat")
+    assert chat == target.chat_ids(code) and len(chat) > len(target.prompt_ids(code, "text"))
+    with pytest.raises(ValueError, match="prompt format must be 'chat' or 'text'"):
+        target.prompt_ids(code, "raw")
 
 
 # ---------------------------------------------------------------------------------------------
