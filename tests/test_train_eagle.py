@@ -78,6 +78,19 @@ def conversation(rng: random.Random, user_words: int, answer_words: int) -> dict
                          {"role": "assistant", "content": text(answer_words)}]}
 
 
+def chat_token_ids(tokenizer, rows: list[dict], prompts: list[str]) -> set[int]:
+    """Every token id of the rows and of the prompts, as the chat template writes them."""
+    used = set()
+    for row in rows:
+        used.update(tokenizer.apply_chat_template(row["messages"], tokenize=True,
+                                                  return_dict=False))
+    for prompt in prompts:
+        used.update(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                  tokenize=True, return_dict=False,
+                                                  add_generation_prompt=True))
+    return used
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """Tiny targets (the run's, and another with a different width), data and eval prompts."""
@@ -96,14 +109,8 @@ def files(tmp_path_factory):
     prompts = [" ".join(WORDS[i:i + 5]) for i in (0, 7)]
     eval_prompts = root / "eval.jsonl"
     eval_prompts.write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in prompts))
-    used = set()
-    for row in varied + even + repeated + [conversation(rng, 1, 1) for _ in range(40)]:
-        used.update(tokenizer.apply_chat_template(row["messages"], tokenize=True,
-                                                  return_dict=False))
-    for prompt in prompts:
-        used.update(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                  tokenize=True, return_dict=False,
-                                                  add_generation_prompt=True))
+    used = chat_token_ids(tokenizer, varied + even + repeated
+                          + [conversation(rng, 1, 1) for _ in range(40)], prompts)
     target = save_tiny_target(root / "target", tokenizer, used)
     other = save_tiny_target(root / "other-target", tokenizer, used, hidden=48, seed=1)
     return {"root": root, "target": str(target), "other": str(other),
