@@ -16,7 +16,7 @@
 #                                              | sweep-eagle3-shipped | sweep-medusa-more
 #                                              | sweep-eagle3-offline
 #                                              | engine-costs | engine-bench | engine-chain
-#                                              | memory-probe
+#                                              | memory-probe | gemma-bench
 #
 # Each stage is what was run, with its wall-clock on 2 cores noted beside it; the README quotes
 # the figures. Outputs go under runs/ (training) and reports/ (benchmark JSON). Every training
@@ -380,8 +380,17 @@ sweep-eagle3-offline)  # offline features on the 230-conversation sample against
   "$PYTHON" scripts/sweep.py eagle3-shipped --minutes 8 --points rows230,rows230-offline \
     --name eagle3_shipped_offline
   ;;
+gemma-bench)  # the second family, Gemma-3 270M base (make install-gemma), in our engine: plain,
+  # generate and both prompt lookups on 20 HumanEval prompts and 20 MT-bench first turns, both as
+  # plain text, 128 tokens, greedy; about 20 minutes each on 2 cores
+  for set in humaneval:data/eval/humaneval.jsonl.gz mt_bench:data/eval/mt_bench_question.jsonl; do
+    "$PYTHON" -m draftsmith.eval.bench --target gemma3-270m --threads 2 --prompt-format text \
+      --method hf --method plain --method pld --method hf-pld --prompts "${set#*:}" \
+      --num-prompts 20 --max-new-tokens 128 --temperature 0 --out "reports/gemma3_${set%%:*}_t0.json"
+  done
+  ;;
 *)
-  echo "usage: $0 prompts|regenerate|eagle|medusa|distill|bench|distill-fixed|shipped-eagle3|shipped-eagle3-bench|shipped-medusa|shipped-medusa-bench|shipped-distill|shipped-distill-tune|shipped-distill-bench|shipped-bench|shipped-heads-t1|shipped-dflash|block-bench|llama-costs|llama-bench|llama-cross-check|llama-regenerate|llama-bench-eagle3|peer-speculators|sweep-eagle3-axes|shipped-eagle3-trees|shipped-eagle3-tree10|sweep-eagle3-shipped|sweep-medusa-more|sweep-eagle3-offline|engine-costs|engine-bench|engine-chain|memory-probe" >&2
+  echo "usage: $0 prompts|regenerate|eagle|medusa|distill|bench|distill-fixed|shipped-eagle3|shipped-eagle3-bench|shipped-medusa|shipped-medusa-bench|shipped-distill|shipped-distill-tune|shipped-distill-bench|shipped-bench|shipped-heads-t1|shipped-dflash|block-bench|llama-costs|llama-bench|llama-cross-check|llama-regenerate|llama-bench-eagle3|peer-speculators|sweep-eagle3-axes|shipped-eagle3-trees|shipped-eagle3-tree10|sweep-eagle3-shipped|sweep-medusa-more|sweep-eagle3-offline|engine-costs|engine-bench|engine-chain|memory-probe|gemma-bench" >&2
   exit 2
   ;;
 esac
