@@ -66,7 +66,7 @@ from draftsmith.files.output_dir import (
     _host as host_name,  # a leftover names the host that wrote it
 )
 from draftsmith.layouts.processes import end_process, free_port, signals_held, stop_on_signals
-from draftsmith.targets.resolve import cache_root
+from draftsmith.targets.resolve import cache_root, resolve_target
 
 COMMIT = "0c1e570"  # llama.cpp, 2026-10-01: draft-eagle3, draft-dflash, draft-dspark, n-gram types
 SDIST = ("llama-cpp-python", "0.3.36")
@@ -613,7 +613,7 @@ def gguf_for_target(spec: str | os.PathLike, outtype: str | None = None) -> tupl
     An embedded name's own GGUF file and a ``.gguf`` are used as they are; a Hugging Face
     directory (or, with ``outtype``, any target's cached directory) is converted once by
     llama.cpp's converter into ``<cache>/gguf/`` (f32 unless ``outtype`` says otherwise)."""
-    from draftsmith.targets.resolve import EMBEDDED_TARGETS, embedded_gguf_path, resolve_target
+    from draftsmith.targets.resolve import EMBEDDED_TARGETS, embedded_gguf_path
 
     text = str(spec)
     if outtype is None and text in EMBEDDED_TARGETS:
@@ -647,7 +647,16 @@ def main(argv: list[str] | None = None) -> int:
     gguf.add_argument("target", help="an embedded name, a .gguf or a Hugging Face directory")
     gguf.add_argument("--type", choices=GGUF_TYPES, default=None,
                       help="convert to this type (default: the target's own GGUF, f32 else)")
+    template = sub.add_parser("chat-template", help="the Jinja chat template draftsmith renders "
+                              "a target's conversations with (a base model's: its text "
+                              "continued), for llama-server --jinja --chat-template-file")
+    template.add_argument("target", help="an embedded name, a .gguf or a Hugging Face directory")
     args = parser.parse_args(argv)
+    if args.command == "chat-template":
+        from draftsmith.targets.target import load_target_tokenizer
+
+        print(load_target_tokenizer(resolve_target(args.target)).chat_template)
+        return 0
     if args.command == "target-gguf":
         print(gguf_for_target(args.target, args.type)[0])
         return 0

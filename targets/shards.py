@@ -46,6 +46,7 @@ from draftsmith.targets.target import (
     cached_weights_digest,
     default_device_dtype,
     freeze,
+    load_target_tokenizer,
     weights_digest,
     weights_fingerprint,
     wrap_target,
@@ -85,7 +86,7 @@ def load_sharded_target(
     model directories (and what :func:`draftsmith.targets.resolve.resolve_target` turns into one)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, distribute_tensor
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     path = resolve_target(spec)
     dev, dt = default_device_dtype(device, dtype)
@@ -155,7 +156,7 @@ def load_sharded_target(
                 target.copy_(full)
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(path))
-    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    tokenizer = load_target_tokenizer(path)
     name = str(spec) if str(spec) in EMBEDDED_TARGETS else Path(spec).name
     return wrap_target(model, tokenizer, name=name, path=path, fingerprint=fingerprint,
                        digest=digest)

@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -421,6 +422,40 @@ def wrap_target(model: nn.Module, tokenizer=None, name: str = "model", path=None
                   digest=digest)
 
 
+# A base model's conversations (Gemma-3 270M base has no chat template): every turn's text right
+# after the one before, nothing between them, after the special tokens the tokenizer starts any
+# text with. A prompt then gets the ids ``prompt_ids(text, "text")`` gives it, and an answer is
+# the continuation the model wrote, so regeneration, training rows and the benchmark's prompts
+# all see the same tokens.
+COMPLETION_TEMPLATE = "{{ PREFIX }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+
+def completion_template(tokenizer) -> str:
+    """:data:`COMPLETION_TEMPLATE` for ``tokenizer``: its leading special tokens (a BOS where it
+    adds one) written out as text."""
+    prefix = tokenizer.decode(tokenizer("")["input_ids"])
+    return COMPLETION_TEMPLATE.replace("{{ PREFIX }}", prefix.replace("{", "{{ '{' }}"))
+
+
+def load_target_tokenizer(path: str | os.PathLike):
+    """A target directory's tokenizer; one without a chat template (a base model) gets
+    :func:`completion_template`, said once on stderr."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = completion_template(tokenizer)
+        if str(path) not in _TOLD_BASE:
+            _TOLD_BASE.add(str(path))
+            print(f"[draftsmith] {Path(path).name} has no chat template (a base model): prompts "
+                  "are its text and answers continue it, nothing between the turns",
+                  file=sys.stderr)
+    return tokenizer
+
+
+_TOLD_BASE: set[str] = set()  # the directories load_target_tokenizer has said it of
+
+
 def load_target(
     spec: str | os.PathLike,
     device: str | torch.device | None = None,
@@ -428,7 +463,7 @@ def load_target(
     attn_implementation: str | None = None,
 ) -> Target:
     """Load a frozen target: bf16 on GPU and fp32 on CPU by default, eval mode, no gradients."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = resolve_target(spec)
     dev, dt = default_device_dtype(device, dtype)
@@ -436,7 +471,7 @@ def load_target(
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs).to(dev)
-    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    tokenizer = load_target_tokenizer(path)
     name = str(spec) if str(spec) in EMBEDDED_TARGETS else Path(spec).name
     return wrap_target(model, tokenizer, name=name, path=path)
 
@@ -496,7 +531,7 @@ def load_target_parts(
     For an 8B Llama in bf16 that is about 2 GB instead of 16. Safetensors directories only
     (GGUF targets are converted to one first, as :func:`load_target` does).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     path = resolve_target(spec)
     dev, dt = default_device_dtype(device, dtype)
@@ -531,7 +566,7 @@ def load_target_parts(
     if next(model.parameters()).device.type == "meta":  # what Target.device reads
         raise ValueError(f"{type(model).__name__} registers a decoder weight before its "
                          f"embedding; load the whole target with load_target")
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer = load_target_tokenizer(path)
     name = str(spec) if str(spec) in EMBEDDED_TARGETS else Path(spec).name
 
     def read(parameter: str, count: int) -> torch.Tensor:  # the layers' leading values, on disk

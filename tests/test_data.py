@@ -12,8 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_llama
+from tokenizers import processors
 
 from draftsmith.files.file_formats import FileFormatError
+from draftsmith.targets.target import completion_template, load_target
 from draftsmith.train import regenerate as regeneration
 from draftsmith.train import rows as data
 from draftsmith.train.regenerate import load_prompts, user_turns
@@ -211,6 +214,44 @@ def test_mask_needs_no_knowledge_of_the_template_markers(tokenizer):
     assert [other.decode(run) for run in masked_runs(out["input_ids"], out["loss_mask"])] == [
         messages[1]["content"] + "<|endoftext|>", messages[3]["content"] + "<|endoftext|>",
     ]
+
+
+def test_a_base_model_s_conversation_is_its_text_continued(tokenizer):
+    """A target without a chat template gets the completion template: the rows' ids are the
+    plain text's, and the loss covers exactly the answer, as the model continued the prompt."""
+    base = copy.deepcopy(tokenizer)
+    base.chat_template = None
+    base.chat_template = completion_template(base)
+    prompt, answer = "The capital of France is", " Paris, a city of two million people."
+    out = tokenize_conversation([{"role": "user", "content": prompt},
+                                 {"role": "assistant", "content": answer}], base)
+    assert out["input_ids"] == base(prompt + answer)["input_ids"]
+    assert [base.decode(run) for run in masked_runs(out["input_ids"], out["loss_mask"])] == [
+        answer]
+    # a tokenizer that starts every text with a special token keeps it, written as text
+    bos = copy.deepcopy(base)
+    bos.chat_template = None
+    bos.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos.convert_tokens_to_ids(
+            "<|im_start|>"))])
+    bos.chat_template = completion_template(bos)
+    ids = bos.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
+                                  return_dict=False)
+    assert ids == bos(prompt)["input_ids"] and ids[0] == bos.convert_tokens_to_ids("<|im_start|>")
+
+
+def test_a_target_without_a_chat_template_loads_with_the_completion_template(tokenizer,
+                                                                            tmp_path):
+    base = copy.deepcopy(tokenizer)
+    base.chat_template = None
+    model = tiny_llama(vocab=len(tokenizer))
+    model.save_pretrained(tmp_path / "base")
+    base.save_pretrained(tmp_path / "base")
+    target = load_target(tmp_path / "base")
+    assert target.tokenizer.chat_template == completion_template(base)
+    prompt = "def add(a, b):"
+    assert target.chat_ids(prompt) == target.prompt_ids(prompt, "text") == base(prompt)[
+        "input_ids"]
 
 
 def test_a_template_that_is_not_prefix_stable_is_refused(tokenizer):

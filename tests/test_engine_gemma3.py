@@ -90,6 +90,22 @@ def test_the_target_is_a_hybrid_sliding_window_model(gemma):
     assert config.head_dim == 256 and config.tie_word_embeddings
 
 
+def test_a_conversation_is_the_text_continued(gemma):
+    """The base model has no chat template: its rows are its text, BOS first, and the loss
+    covers the answer alone (what training on its own continuations needs)."""
+    from draftsmith.train.rows import tokenize_conversation
+
+    tokenizer = gemma.tokenizer
+    prompt, answer = "The capital of France is", " Paris, a city of two million people."
+    out = tokenize_conversation([{"role": "user", "content": prompt},
+                                 {"role": "assistant", "content": answer}], tokenizer)
+    assert out["input_ids"] == tokenizer(prompt + answer)["input_ids"]
+    assert out["input_ids"][0] == tokenizer.bos_token_id
+    kept = [t for t, m in zip(out["input_ids"], out["loss_mask"], strict=True) if m]
+    assert tokenizer.decode(kept) == answer
+    assert gemma.chat_ids(prompt) == gemma.prompt_ids(prompt, "text")
+
+
 @pytest.fixture(scope="module")
 def llama_cpp(gemma, tmp_path_factory):
     """llama-server, and the GGUF de-quantised to F32 by llama.cpp itself (llama-quantize)."""

@@ -599,12 +599,10 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                 rows = merge_shards(args.out, shard[1])
                 print(f"every shard has finished: merged {rows} conversations into {args.out}")
     else:
-        from transformers import AutoTokenizer
-
         from draftsmith.targets.resolve import resolve_target
+        from draftsmith.targets.target import load_target_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(resolve_target(args.target)),
-                                                  trust_remote_code=False)
+        tokenizer = load_target_tokenizer(resolve_target(args.target))
         dataset, report = load_sft_dataset(args.data, tokenizer, max_length=args.max_length,
                                            cache_dir=args.cache_dir, num_proc=args.num_proc)
         print(report.summary())
@@ -613,14 +611,15 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
 
 def _openai_backend(args, parser) -> OpenAIBackend:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     from draftsmith.targets.resolve import resolve_target
+    from draftsmith.targets.target import load_target_tokenizer
 
     if not args.url or not args.model:
         parser.error("--backend openai needs --url (e.g. http://127.0.0.1:8000/v1) and --model")
     path = resolve_target(args.target)
-    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    tokenizer = load_target_tokenizer(path)
     context = getattr(AutoConfig.from_pretrained(str(path), trust_remote_code=False),
                       "max_position_embeddings", None)
     return OpenAIBackend(args.url, args.model, tokenizer, concurrency=args.concurrency,
