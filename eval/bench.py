@@ -430,7 +430,8 @@ def build_bench_report(args, prompt_set, run, summary) -> dict:
 
     config = {
         "target": args.target, "prompts": str(args.prompts),
-        "prompt_format": args.prompt_format, "num_prompts": len(run.prompts), "skipped_prompts": dict(prompt_set.skipped),
+        "prompt_format": args.prompt_format, "num_prompts": len(run.prompts),
+        "skipped_prompts": dict(prompt_set.skipped),
         "turn": args.turn, "categories": prompt_set.categories,
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed, "warmup": args.warmup,

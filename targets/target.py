@@ -388,15 +388,17 @@ class Target:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if system is not None:
             messages = [{"role": "system", "content": system}, *messages]
-        if getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return [int(t) for t in ids]
-        # base models without a template: plain concatenation of the turns
-        return self.tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
+        # a tokenizer built without a template (load_target_tokenizer gives every loaded target
+        # one) renders as a base model's: the completion template
+        template = getattr(self.tokenizer, "chat_template", None) or completion_template(
+            self.tokenizer)
+        ids = self.tokenizer.apply_chat_template(
+            messages, chat_template=template, add_generation_prompt=True, tokenize=True,
+            return_dict=False
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
 
 
 def eos_ids_of(model: nn.Module, tokenizer) -> tuple[int, ...]:

@@ -123,8 +123,8 @@ def rows(path: Path) -> list[dict]:
 
 def non_daemon_threads(before: set[threading.Thread]) -> list[threading.Thread]:
     """Threads the interpreter would wait for at exit, started since ``before`` was taken (an
-    earlier test's leftovers are not this run's: transformers' weight loading shuts its thread
-    pool down without waiting for it, and in CI two of its threads were seen alive here)."""
+    earlier test's leftovers are not this run's: in CI two idle ``ThreadPoolExecutor`` threads
+    started before these tests were seen alive here)."""
     return [t for t in threading.enumerate() if t is not threading.main_thread()
             and not t.daemon and t.is_alive() and t not in before]
 
