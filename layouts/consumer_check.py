@@ -118,8 +118,8 @@ def run_speculators_check(python: str | os.PathLike, export_dir: str | os.PathLi
 
     ``verifier_dir``: the target's HF directory, served offline under the export's verifier hub
     id. features (1, S, 3h) fp32, input_ids (1, S). The report has ``missing``, ``unexpected``,
-    ``uninitialised``, ``mismatched`` (lists of names), ``verifier_mismatched`` and ``logits``
-    (1, S, draft_vocab) as speculators computes them.
+    ``uninitialised``, ``mismatched`` (lists of names), ``verifier_mismatched``, ``dtype`` (what
+    speculators computed in: the export's) and ``logits`` (1, S, draft_vocab) as it computes them.
     """
     config = json.loads((Path(export_dir) / "config.json").read_text())
     hub_id = config["speculators_config"]["verifier"]["name_or_path"]

@@ -538,11 +538,16 @@ class LlamaServer:
             self._log.close()
 
     def log_tail(self, lines: int = 12) -> str:
+        """The log's last ``lines`` lines, after ggml's failed assertions and aborts (which a
+        crash's backtrace would push out of the tail)."""
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError:
             return ""
-        return "\n".join(text.strip().splitlines()[-lines:])
+        all_lines = text.strip().splitlines()
+        fatal = [line for line in all_lines[:-lines] if "GGML_ASSERT" in line
+                 or "GGML_ABORT" in line or ": error:" in line]
+        return "\n".join([*fatal[:3], *all_lines[-lines:]])
 
     def _get(self, path: str) -> dict:
         with urllib.request.urlopen(self.url + path, timeout=10) as response:
@@ -565,6 +570,12 @@ class LlamaServer:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 return json.loads(response.read())
         except (OSError, ValueError) as err:
+            if self.process is not None and (isinstance(err, ConnectionError) or isinstance(
+                    getattr(err, "reason", None), ConnectionError)):
+                try:  # a crashing server closes the connection before it exits (a backtrace)
+                    self.process.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    pass
             alive = self.process is not None and self.process.poll() is None
             died = "" if alive else (f"; it {describe_exit(self.process.returncode)}; its "
                                      f"log ends:\n{self.log_tail()}")

@@ -4,9 +4,9 @@
 
 Imports nothing from draftsmith (the venv has speculators' own torch and transformers). Writes
 OUT_DIR/report.json (missing, unexpected, uninitialised and mismatched weight names, the
-verifier weights that differ from the verifier's checkpoint) and OUT_DIR/logits.st: the step-0
-draft logits of ``Eagle3DraftModel.forward`` on the given features and token ids, caught at its
-``lm_head``.
+verifier weights that differ from the verifier's checkpoint, the dtype it computed in) and
+OUT_DIR/logits.st: the step-0 draft logits of ``Eagle3DraftModel.forward`` on the given features
+and token ids, caught at its ``lm_head``.
 """
 
 import json
@@ -38,6 +38,7 @@ def main(export_dir: str, inputs_path: str, out_dir: str) -> None:
     inputs = load_file(inputs_path)
     features, input_ids = inputs["features"], inputs["input_ids"]
     dtype = model.fc.weight.dtype
+    report["dtype"] = str(dtype).removeprefix("torch.")  # what the logits were computed in
     caught = []
     hook = model.lm_head.register_forward_hook(lambda mod, args, out: caught.append(out.detach()))
     positions = torch.arange(input_ids.shape[1])[None]

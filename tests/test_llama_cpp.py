@@ -350,6 +350,24 @@ def test_a_signal_is_named_with_what_to_try():
     assert "out-of-memory" in describe_exit(-9)
 
 
+def test_a_crash_keeps_ggmls_failed_assertion_above_its_backtrace(tmp_path):
+    """A server that aborts (gemma3 targets beside an EAGLE-3 or DFlash draft in 0c1e570) prints
+    ggml's assertion and then a backtrace longer than the tail an error message quotes."""
+    from types import SimpleNamespace
+
+    log = tmp_path / "server.log"
+    assert_line = ('llama-graph.cpp:1384: GGML_ASSERT(t_layer_inp[il] != nullptr && "layer input '
+                   'tensor is null") failed')
+    log.write_text("main: loading model\n" + assert_line + "\n"
+                   + "".join(f"#{i} 0x0 in frame_{i} ()\n" for i in range(30)))
+    tail = LlamaServer.log_tail(SimpleNamespace(log_path=log)).splitlines()
+    assert tail[0] == assert_line
+    assert tail[-1] == "#29 0x0 in frame_29 ()" and len(tail) == 13
+    log.write_text("".join(f"line {i}\n" for i in range(5)))  # a short log: all of it, once
+    assert LlamaServer.log_tail(SimpleNamespace(log_path=log)).splitlines() == [
+        f"line {i}" for i in range(5)]
+
+
 def fake_server(tmp_path, body: str):
     """A llama-server stand-in: its --help lists the spec types, any other call runs ``body``."""
     fake = tmp_path / "llama-server"
