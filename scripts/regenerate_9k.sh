@@ -5,21 +5,32 @@
 # spinning at barriers; no prompt cache, which no prompt here would reuse and which grows to 8 GiB
 # per server by default), one shard each. Rerun to continue where the shards stop; then
 #   python -m draftsmith.train.data merge --out data/train/selfdistill9k_answers.jsonl
+# Another target, the same way (the server renders draftsmith's template for it: a base model's
+# prompt is its text continued):
+#   TARGET=gemma3-270m MAX_NEW=128 MAX_PROMPTS=1200 OUT=data/train/gemma3_answers.jsonl \
+#     scripts/regenerate_9k.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 SLOTS=${SLOTS:-32}
+TARGET=${TARGET:-smollm2-135m}
+PROMPTS=${PROMPTS:-data/train/selfdistill9k_prompts.jsonl.gz}
+MAX_NEW=${MAX_NEW:-256}
 OUT=${OUT:-data/train/selfdistill9k_answers.jsonl}
-LOGS=${LOGS:-runs/regen9k}
+LOGS=${LOGS:-runs/regen-$TARGET}
 mkdir -p "$LOGS"
+limit=()
+if [ -n "${MAX_PROMPTS:-}" ]; then limit=(--max-prompts "$MAX_PROMPTS"); fi
 server=$($PYTHON -m draftsmith.layouts.llama_cpp where | head -1)
-gguf=$($PYTHON -m draftsmith.layouts.llama_cpp target-gguf smollm2-135m --type f32 | tail -1)
+gguf=$($PYTHON -m draftsmith.layouts.llama_cpp target-gguf "$TARGET" --type f32 | tail -1)
+$PYTHON -m draftsmith.layouts.llama_cpp chat-template "$TARGET" > "$LOGS/template.jinja"
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
 for shard in 0 1; do
   port=$((8091 + shard))
-  "$server" -m "$gguf" -np "$SLOTS" -c $((SLOTS * 1024)) --alias smollm2 -t 1 --poll 0 --cache-ram 0 \
+  "$server" -m "$gguf" -np "$SLOTS" -c $((SLOTS * 1024)) --alias "$TARGET" -t 1 --poll 0 --cache-ram 0 \
+    --jinja --chat-template-file "$LOGS/template.jinja" \
     --host 127.0.0.1 --port "$port" > "$LOGS/server-$shard.log" 2>&1 &
   pids+=($!)
 done
@@ -31,8 +42,8 @@ workers=()
 for shard in 0 1; do
   port=$((8091 + shard))
   $PYTHON -m draftsmith.train.data regenerate --backend openai --url "http://127.0.0.1:$port/v1" \
-    --model smollm2 --target smollm2-135m --data data/train/selfdistill9k_prompts.jsonl.gz \
-    --out "$OUT" --shard "$shard/2" --concurrency "$SLOTS" --max-new-tokens 256 \
+    --model "$TARGET" --target "$TARGET" --data "$PROMPTS" "${limit[@]}" \
+    --out "$OUT" --shard "$shard/2" --concurrency "$SLOTS" --max-new-tokens "$MAX_NEW" \
     --temperature 0 > "$LOGS/regenerate-$shard.log" 2>&1 &
   workers+=($!)
 done
