@@ -16,7 +16,8 @@
 #                                              | sweep-eagle3-shipped | sweep-medusa-more
 #                                              | sweep-eagle3-offline
 #                                              | engine-costs | engine-bench | engine-chain
-#                                              | memory-probe | gemma-bench
+#                                              | memory-probe | gemma-bench | gemma-regenerate
+#                                              | gemma-eagle3 | gemma-dflash | gemma-drafts-bench
 #
 # Each stage is what was run, with its wall-clock on 2 cores noted beside it; the README quotes
 # the figures. Outputs go under runs/ (training) and reports/ (benchmark JSON). Every training
@@ -389,8 +390,43 @@ gemma-bench)  # the second family, Gemma-3 270M base (make install-gemma), in ou
       --num-prompts 20 --max-new-tokens 128 --temperature 0 --out "reports/gemma3_${set%%:*}_t0.json"
   done
   ;;
+gemma-regenerate)  # data/train/gemma3_answers.jsonl.gz: Gemma-3 270M's greedy continuations of the
+  # first 1200 prompts of the 9k set as plain text, 128 tokens, through two llama-servers (f32
+  # GGUF, one thread and 32 slots each): 17 min (about 70 answers, 9,000 tokens a minute)
+  TARGET=gemma3-270m MAX_NEW=128 MAX_PROMPTS=1200 OUT=data/train/gemma3_answers.jsonl \
+    scripts/regenerate_9k.sh || true  # an empty continuation fails its prompt: merge the rest
+  "$PYTHON" -m draftsmith.train.data merge --out data/train/gemma3_answers.jsonl --partial
+  gzip -9 -n data/train/gemma3_answers.jsonl
+  ;;
+gemma-eagle3)  # artifacts/gemma3-270m/eagle3 (configs/eagle/gemma3-270m.yaml): about 6 min of
+  # target features (1.0 GB bf16 cache, ~600 tokens/s) then 18 min of training (300 steps of
+  # 1024-token batches, 1.3 epochs of the 1189 rows, ~240 tokens/s)
+  "$PYTHON" train/eagle.py --config configs/eagle/gemma3-270m.yaml --resume latest --report_to none
+  "$PYTHON" -m draftsmith.heads.artifact cast runs/eagle3-gemma3-270m/artifact \
+    artifacts/gemma3-270m/eagle3 --dtype bf16 --overwrite
+  ;;
+gemma-dflash)  # artifacts/gemma3-270m/dflash (configs/dflash/gemma3-270m.yaml): 8 min of
+  # target features (its own cache; slowed by other work) then 11 min of training (888 steps,
+  # 6 epochs, ~2000 block tokens/s)
+  "$PYTHON" train/dflash.py --config configs/dflash/gemma3-270m.yaml --resume latest --report_to none
+  "$PYTHON" -m draftsmith.heads.artifact cast runs/dflash-gemma3-270m/artifact \
+    artifacts/gemma3-270m/dflash --dtype bf16 --overwrite
+  ;;
+gemma-drafts-bench)  # the Gemma-3 drafts beside generate and both prompt lookups, in our engine: the
+  # 20 HumanEval prompts and 20 MT-bench first turns of gemma-bench, plain text, 128 tokens, greedy.
+  # HumanEval with --compile auto (max here: 4 engine methods x 2560 tokens), 33 min with 8 min of
+  # compiling; MT-bench with --compile off, BENCH_MT_TIME
+  common=(--target gemma3-270m --threads 2 --prompt-format text --method hf --method hf-pld
+          --method pld --method eagle:artifacts/gemma3-270m/eagle3
+          --method dflash:artifacts/gemma3-270m/dflash --tree auto --draft-dtype bf16
+          --num-prompts 20 --max-new-tokens 128 --temperature 0)
+  "$PYTHON" -m draftsmith.eval.bench "${common[@]}" --prompts data/eval/humaneval.jsonl.gz \
+    --out reports/gemma3_drafts_humaneval_t0.json
+  "$PYTHON" -m draftsmith.eval.bench "${common[@]}" --compile off \
+    --prompts data/eval/mt_bench_question.jsonl --out reports/gemma3_drafts_mt_bench_t0.json
+  ;;
 *)
-  echo "usage: $0 prompts|regenerate|eagle|medusa|distill|bench|distill-fixed|shipped-eagle3|shipped-eagle3-bench|shipped-medusa|shipped-medusa-bench|shipped-distill|shipped-distill-tune|shipped-distill-bench|shipped-bench|shipped-heads-t1|shipped-dflash|block-bench|llama-costs|llama-bench|llama-cross-check|llama-regenerate|llama-bench-eagle3|peer-speculators|sweep-eagle3-axes|shipped-eagle3-trees|shipped-eagle3-tree10|sweep-eagle3-shipped|sweep-medusa-more|sweep-eagle3-offline|engine-costs|engine-bench|engine-chain|memory-probe|gemma-bench" >&2
+  echo "usage: $0 prompts|regenerate|eagle|medusa|distill|bench|distill-fixed|shipped-eagle3|shipped-eagle3-bench|shipped-medusa|shipped-medusa-bench|shipped-distill|shipped-distill-tune|shipped-distill-bench|shipped-bench|shipped-heads-t1|shipped-dflash|block-bench|llama-costs|llama-bench|llama-cross-check|llama-regenerate|llama-bench-eagle3|peer-speculators|sweep-eagle3-axes|shipped-eagle3-trees|shipped-eagle3-tree10|sweep-eagle3-shipped|sweep-medusa-more|sweep-eagle3-offline|engine-costs|engine-bench|engine-chain|memory-probe|gemma-bench|gemma-regenerate|gemma-eagle3|gemma-dflash|gemma-drafts-bench" >&2
   exit 2
   ;;
 esac

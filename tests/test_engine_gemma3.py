@@ -211,3 +211,44 @@ def test_greedy_matches_generate_across_the_sliding_window(gemma, length):
                      DraftModelProposer(draft, branching=[2, 2, 1])):
         got = engine.generate(ids, new, proposer=proposer)
         assert got.tokens == reference, type(proposer).__name__
+
+
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts" / "gemma3-270m"
+
+
+@pytest.mark.parametrize("spec", ["eagle", "dflash"])
+def test_the_shipped_drafts_give_generates_tokens_across_the_window(gemma, spec):
+    """The shipped EAGLE-3 head (a tree) and DFlash draft (blocks), in bf16 as shipped, load
+    against the target they were trained for and give ``generate``'s greedy tokens on a 488-token
+    prompt whose decoding crosses the window, accepting some of their guesses."""
+    from draftsmith.eval.methods import build_methods
+
+    ids = long_prompt(gemma, WINDOW - 24)
+    new = 48
+    out = gemma.model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False,
+                               attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    reference = out[0, len(ids):].tolist()
+    method = build_methods([f"{spec}:{ARTIFACTS / ('eagle3' if spec == 'eagle' else spec)}"],
+                           gemma, draft_dtype=torch.bfloat16)[0]
+    got = SpeculativeEngine(gemma).generate(ids, new, proposer=method.proposer)
+    assert got.tokens == reference
+    assert sum(got.acceptance.accepted_per_depth) > 0
+
+
+@pytest.mark.parametrize("spec,formats", [("eagle3", ["vllm", "sglang", "speculators"]),
+                                          ("dflash", ["vllm", "sglang", "speculators"])])
+def test_the_shipped_drafts_export_to_every_layout_of_their_method(gemma, spec, formats,
+                                                                  tmp_path, capsys):
+    """Each layout the method has for a gemma3 target, written from the shipped bf16 draft and
+    checked by ``--check`` (the export read back gives the draft's logits; speculators' own
+    ``from_pretrained`` where its venv is built, which computes in bf16: its tolerance is bf16's,
+    a float32 one failed the head at 0.098 with logits up to 17.6)."""
+    from draftsmith.layouts.export import main
+
+    for fmt in formats:
+        extra = ["--verifier", "google/gemma-3-270m"] if fmt == "speculators" else []
+        assert main([str(ARTIFACTS / spec), "--format", fmt, "--out", str(tmp_path / fmt),
+                     "--target", "gemma3-270m", "--check", *extra]) == 0, fmt
+    printed = capsys.readouterr().out
+    assert "FAILED" not in printed
+    assert printed.count("verified: round trip") == len(formats)
