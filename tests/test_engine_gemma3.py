@@ -193,6 +193,13 @@ def test_the_q4_k_m_file_served_by_llama_cpp_picks_the_same_tokens(gemma, llama_
     assert len(disagreements) <= 3
 
 
+def greedy_reference(target, ids: list[int], new: int) -> list[int]:
+    """``generate``'s greedy continuation of ``ids``: what every method must reproduce."""
+    out = target.model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False,
+                                attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    return out[0, len(ids):].tolist()
+
+
 @pytest.mark.parametrize("length", [WINDOW - 24, WINDOW + 40])
 def test_greedy_matches_generate_across_the_sliding_window(gemma, length):
     """Prompts of 488 tokens (decoding crosses the window) and of 552 (the prompt does): plain
@@ -200,9 +207,7 @@ def test_greedy_matches_generate_across_the_sliding_window(gemma, length):
     greedy tokens."""
     ids = long_prompt(gemma, length)
     new = 48
-    out = gemma.model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False,
-                               attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    reference = out[0, len(ids):].tolist()
+    reference = greedy_reference(gemma, ids, new)
     assert len(ids) + len(reference) > WINDOW
     engine = SpeculativeEngine(gemma)
     draft = load_draft("truncate:6", gemma)  # the first six layers: five slide
@@ -225,9 +230,7 @@ def test_the_shipped_drafts_give_generates_tokens_across_the_window(gemma, spec)
 
     ids = long_prompt(gemma, WINDOW - 24)
     new = 48
-    out = gemma.model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False,
-                               attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    reference = out[0, len(ids):].tolist()
+    reference = greedy_reference(gemma, ids, new)
     method = build_methods([f"{spec}:{ARTIFACTS / ('eagle3' if spec == 'eagle' else spec)}"],
                            gemma, draft_dtype=torch.bfloat16)[0]
     got = SpeculativeEngine(gemma).generate(ids, new, proposer=method.proposer)
