@@ -18,6 +18,7 @@
 #                                              | engine-costs | engine-bench | engine-chain
 #                                              | memory-probe | gemma-bench | gemma-regenerate
 #                                              | gemma-eagle3 | gemma-dflash | gemma-drafts-bench
+#                                              | shipped-dspark | dspark-bench
 #
 # Each stage is what was run, with its wall-clock on 2 cores noted beside it; the README quotes
 # the figures. Outputs go under runs/ (training) and reports/ (benchmark JSON). Every training
@@ -257,6 +258,24 @@ block-bench)  # the shipped block draft beside the shipped EAGLE-3 head and prom
     --method eagle:artifacts/smollm2-135m/eagle3 --method dflash:artifacts/smollm2-135m/dflash \
     --tree auto --draft-dtype bf16 --prompts data/eval/mt_bench_question.jsonl --num-prompts 80 \
     --max-new-tokens 128 --temperature 0 --out reports/shipped_block_t0.json
+  ;;
+shipped-dspark)  # runs/dspark-smollm2-135m: DSpark on DFlash's recipe (the same layers, taps,
+  # blocks, draft vocabulary, data and feature cache), method dspark: 20 min of target features
+  # then the training
+  "$PYTHON" train/dflash.py --config configs/dflash/smollm2-135m-dspark.yaml --resume latest \
+    --report_to none
+  "$PYTHON" -m draftsmith.heads.artifact cast runs/dspark-smollm2-135m/artifact \
+    runs/dspark-smollm2-135m/artifact-bf16 --dtype bf16 --overwrite
+  ;;
+dspark-bench)  # DSpark beside the shipped DFlash draft in the engine, eager (--compile off: the
+  # 8 minutes of compiling buy ~10% on every method alike): 80 MT-bench first turns, 128 tokens,
+  # T=0, bf16 drafts, --tree auto (a chain each, its length from the draft's calibration): ~25 min
+  "$PYTHON" -m draftsmith.eval.bench --target smollm2-135m --threads 2 --compile off \
+    --method plain --method hf \
+    --method dflash:artifacts/smollm2-135m/dflash \
+    --method dspark:runs/dspark-smollm2-135m/artifact-bf16 \
+    --tree auto --draft-dtype bf16 --prompts data/eval/mt_bench_question.jsonl --num-prompts 80 \
+    --max-new-tokens 128 --temperature 0 --out reports/dspark_vs_dflash_t0.json
   ;;
 llama-costs)  # what a round costs in llama.cpp and in our engine (verification of n tokens, a
   # draft step), on an idle machine
