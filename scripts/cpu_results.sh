@@ -260,20 +260,22 @@ block-bench)  # the shipped block draft beside the shipped EAGLE-3 head and prom
     --max-new-tokens 128 --temperature 0 --out reports/shipped_block_t0.json
   ;;
 shipped-dspark)  # runs/dspark-smollm2-135m: DSpark on DFlash's recipe (the same layers, taps,
-  # blocks, draft vocabulary, data and feature cache), method dspark: 20 min of target features
-  # then the training
+  # blocks, draft vocabulary, data and feature cache), method dspark: 17 min of target features,
+  # then 65 min of training (52 min of steps, 2592 at ~1.2 s; 13 min of held-out evaluations)
   "$PYTHON" train/dflash.py --config configs/dflash/smollm2-135m-dspark.yaml --resume latest \
     --report_to none
   "$PYTHON" -m draftsmith.heads.artifact cast runs/dspark-smollm2-135m/artifact \
-    runs/dspark-smollm2-135m/artifact-bf16 --dtype bf16 --overwrite
+    artifacts/smollm2-135m/dspark --dtype bf16 --overwrite
+  "$PYTHON" scripts/acceptance_curve.py runs/dspark-smollm2-135m --out reports/dspark_curve.json
   ;;
 dspark-bench)  # DSpark beside the shipped DFlash draft in the engine, eager (--compile off: the
   # 8 minutes of compiling buy ~10% on every method alike): 80 MT-bench first turns, 128 tokens,
-  # T=0, bf16 drafts, --tree auto (a chain each, its length from the draft's calibration): ~25 min
+  # T=0, bf16 drafts, --tree auto (a chain each, its length from the draft's calibration): 43 min
+  # (the report names the run's bf16 copy, runs/dspark-smollm2-135m/artifact-bf16: the same bytes)
   "$PYTHON" -m draftsmith.eval.bench --target smollm2-135m --threads 2 --compile off \
     --method plain --method hf \
     --method dflash:artifacts/smollm2-135m/dflash \
-    --method dspark:runs/dspark-smollm2-135m/artifact-bf16 \
+    --method dspark:artifacts/smollm2-135m/dspark \
     --tree auto --draft-dtype bf16 --prompts data/eval/mt_bench_question.jsonl --num-prompts 80 \
     --max-new-tokens 128 --temperature 0 --out reports/dspark_vs_dflash_t0.json
   ;;
